@@ -1,0 +1,69 @@
+"""The `rlhf` flow: runs the enabled stages in DAG order, one Prefect task per stage.
+
+Tasks receive the config location and overrides (references), never tensors or models; each task
+reloads the config, so it can run in another process or on another work pool and read the same
+artifacts from the store. Skips, resumes and runs are decided by rlhf.runner.execute_stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf.loader import load_config
+from rlhf.runner import execute_stage, plan
+
+
+class _ToRunLogger(logging.Handler):
+    """Forwards the plain-Python stage loggers (`rlhf.*`) into the Prefect run's logs."""
+
+    def __init__(self, target: logging.Logger | logging.LoggerAdapter):
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.target.log(record.levelno, record.getMessage())
+
+
+@contextmanager
+def stage_logs_to_prefect():
+    handler = _ToRunLogger(get_run_logger())
+    root = logging.getLogger("rlhf")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+
+
+@task(cache_policy=NO_CACHE)
+def stage_task(config_path: str, profile: str, overrides: list[str], stage: str) -> dict:
+    cfg = load_config(config_path, profile, overrides)
+    with stage_logs_to_prefect():
+        manifest = execute_stage(cfg, stage)
+    return {k: manifest[k] for k in ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")}
+
+
+@flow(name="rlhf", log_prints=True)
+def rlhf(
+    config_path: str = "pipeline.yaml",
+    profile: str = "default",
+    run_name: str | None = None,
+    overrides: list[str] | None = None,
+) -> list[dict]:
+    overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
+    cfg = load_config(config_path, profile, overrides)
+    logger = get_run_logger()
+    logger.info("run %r, profile %r, stages: %s", cfg.run.name, profile, " -> ".join(plan(cfg)))
+    results = []
+    for stage in plan(cfg):
+        summary = stage_task.with_options(name=stage, task_run_name=f"{stage}[{cfg.run.name}]")(
+            config_path, profile, overrides, stage
+        )
+        logger.info("%s: %s (key %s)", stage, summary["status"], summary["key"][:12])
+        results.append(summary)
+    return results

@@ -1,0 +1,310 @@
+"""Typed, frozen configuration for every stage, loaded from pipeline.yaml.
+
+One model per stage; unknown keys are errors (extra="forbid"); enums are Literal types; cross-field
+checks run at load time and name the key path. Defaults follow the papers cited beside each field.
+Nothing here imports torch or loads a model: `rlhf validate` must answer in about a second.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+STAGES = ("sft", "reward_model", "ref_logprobs", "rollout", "dpo", "ppo", "grpo", "eval")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Run and stage names become storage path segments: refuse traversal and odd characters."""
+    if not SAFE_NAME.match(value) or ".." in value:
+        raise ValueError(
+            f"invalid {kind} name {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, and no '..'"
+        )
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunConfig(Strict):
+    name: str = "default"
+    seed: int = 0
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, v: str) -> str:
+        return check_name("run", v)
+
+
+class TinyModelConfig(Strict):
+    """A random-init Llama with the default tokenizer: same code paths as the real model, in seconds."""
+
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(128, ge=8)
+    init_seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: must be divisible by num_heads ({self.num_heads}), got {self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads: must be divisible by num_kv_heads ({self.num_kv_heads}), got {self.num_heads}")
+        return self
+
+
+class ModelConfig(Strict):
+    # "smollm2-135m-instruct" (embedded, offline), "tiny" (random init), a Hugging Face id or a local path.
+    name: str = "smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    tiny: TinyModelConfig = TinyModelConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+
+class DataConfig(Strict):
+    # reasoning_gym:<dataset name>; generator parameters pass through unchanged to reasoning-gym.
+    task: str = "reasoning_gym:chain_sum"
+    task_params: dict[str, int | float | bool | str] = Field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    )
+    seed: int = 0
+    train_size: int = Field(1000, ge=1)
+    eval_size: int = Field(100, ge=1)
+    # User data in TRL's standard formats (JSONL, Parquet or a Hugging Face dataset name).
+    # When set, it replaces the task's generated data for that use.
+    sft_path: str | None = None
+    prefs_path: str | None = None
+    on_bad_row: Literal["fail", "drop"] = "fail"
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if not re.fullmatch(r"reasoning_gym:[a-z0-9_]+", v):
+            raise ValueError("must look like 'reasoning_gym:<name>', e.g. 'reasoning_gym:chain_sum'")
+        return v
+
+
+class StorageConfig(Strict):
+    # A local folder (relative paths are resolved against pipeline.yaml's folder) or s3://bucket/prefix.
+    # S3 credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), never from here.
+    url: str = "data/artifacts"
+    endpoint_url: str | None = None
+    region: str = "us-west-1"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0] if "://" in v else "file"
+        if scheme not in ("file", "s3"):
+            raise ValueError(f"scheme {scheme!r} is not supported; use a local path, file:// or s3://")
+        if scheme == "s3" and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", v):
+            raise ValueError("must look like s3://bucket/optional/prefix with a valid bucket name")
+        return v
+
+
+class LoraConfig(Strict):
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)
+    target_modules: str | list[str] = "all-linear"
+
+
+class TrainerOptions(Strict):
+    """Options shared by the Trainer-based stages (SFT, reward model, DPO)."""
+
+    enabled: bool = True
+    work_pool: str = "gpu"
+    learning_rate: float = Field(2e-5, gt=0.0, lt=1.0)
+    num_epochs: float = Field(1.0, gt=0.0)
+    max_steps: int = Field(-1, ge=-1)  # -1: derived from num_epochs
+    per_device_batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    max_length: int = Field(256, ge=8)
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    gradient_checkpointing: bool = False
+    save_steps: int = Field(50, ge=1)
+    logging_steps: int = Field(5, ge=1)
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _steps(self) -> TrainerOptions:
+        if self.max_steps == 0:
+            raise ValueError("max_steps: must be -1 (use num_epochs) or >= 1, got 0")
+        return self
+
+
+class SFTConfig(TrainerOptions):
+    learning_rate: float = Field(5e-5, gt=0.0, lt=1.0)
+    completion_only_loss: bool = True  # loss on completion tokens only (InstructGPT, Ouyang et al. 2022)
+    # Held-out greedy accuracy of the base and the trained policy, measured at the end of the stage.
+    eval_prompts: int = Field(64, ge=0)
+    eval_max_new_tokens: int = Field(16, ge=1)
+
+
+class RewardModelConfig(TrainerOptions):
+    learning_rate: float = Field(1e-5, gt=0.0, lt=1.0)
+    init_from: Literal["sft", "base"] = "sft"
+    # Held-out share of the preference pairs for pairwise accuracy.
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    # Bradley-Terry with margin (Llama 2, Touvron et al. 2023, eq. 2) when pairs carry a `margin` column.
+    use_margin: bool = False
+    # Auxiliary loss pushing rewards toward zero mean (Eisenstein et al. 2023); 0 disables it.
+    center_rewards_coefficient: float = Field(0.0, ge=0.0)
+
+
+class RefLogprobsConfig(Strict):
+    enabled: bool = False
+    work_pool: str = "gpu"
+    batch_size: int = Field(16, ge=1)
+    max_prompt_length: int = Field(128, ge=1)
+    max_completion_length: int = Field(128, ge=1)
+    per_token: bool = False
+
+
+class RolloutConfig(Strict):
+    enabled: bool = False
+    work_pool: str = "gpu"
+    engine: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(32, ge=1)
+    n: int = Field(1, ge=1)
+    batch_size: int = Field(16, ge=1)
+
+
+class DPOConfig(TrainerOptions):
+    enabled: bool = False
+    learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    beta: float = Field(0.1, gt=0.0)  # Rafailov et al. 2023 use 0.1
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # conservative DPO (Mitchell 2023)
+
+    @model_validator(mode="after")
+    def _ipo(self) -> DPOConfig:
+        if self.loss_type == "ipo" and self.label_smoothing > 0:
+            raise ValueError(f"label_smoothing: applies to loss_type 'sigmoid' only and must be 0 for 'ipo', got {self.label_smoothing}")
+        return self
+
+
+class RLOptions(Strict):
+    """Batch shape of one RL iteration; shared by PPO and GRPO."""
+
+    enabled: bool = False
+    work_pool: str = "gpu"
+    iterations: int = Field(20, ge=1)
+    prompts_per_iteration: int = Field(8, ge=1)
+    epochs: int = Field(1, ge=1)  # K optimisation epochs over each batch of experience
+    minibatch_size: int = Field(8, ge=1)
+    learning_rate: float = Field(1e-6, gt=0.0, lt=1.0)
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)  # Schulman et al. 2017, eq. 7
+    dual_clip: float | None = Field(None, gt=1.0)  # Ye et al. 2020: bound for negative advantages
+    reward_source: Literal["verifier", "reward_model", "sum"] = "verifier"
+    save_every: int = Field(5, ge=1)
+    max_kl: float = Field(10.0, gt=0.0)  # hard stop on runaway mean KL
+
+    def rollouts_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.samples_per_prompt()
+
+    def samples_per_prompt(self) -> int:
+        return 1
+
+    @model_validator(mode="after")
+    def _minibatch(self) -> RLOptions:
+        n = self.rollouts_per_iteration()
+        if n % self.minibatch_size:
+            raise ValueError(
+                f"minibatch_size: must divide the rollouts per iteration ({n} = prompts_per_iteration "
+                f"x samples per prompt), got {self.minibatch_size}"
+            )
+        return self
+
+
+class KLControlConfig(Strict):
+    mode: Literal["fixed", "adaptive"] = "fixed"
+    beta: float = Field(0.05, ge=0.0)
+    target: float = Field(6.0, gt=0.0)  # adaptive controller, Ziegler et al. 2019, sec. 2.2
+    horizon: int = Field(10000, ge=1)
+
+
+class PPOConfig(RLOptions):
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)  # GAE, Schulman et al. 2016
+    vf_coef: float = Field(0.1, ge=0.0)
+    value_clip: float = Field(0.2, gt=0.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    critic_init: Literal["sft", "reward_model"] = "sft"
+    kl: KLControlConfig = KLControlConfig()
+
+
+class GRPOConfig(RLOptions):
+    group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
+    beta: float = Field(0.04, ge=0.0)  # k3 KL penalty weight in the loss (DeepSeekMath sec. 4.1)
+    clip_eps_high: float | None = Field(None, gt=0.0, lt=1.0)  # DAPO clip-higher (Yu et al. 2025)
+    minibatch_size: int = Field(16, ge=1)
+
+    def samples_per_prompt(self) -> int:
+        return self.group_size
+
+
+class EvalConfig(Strict):
+    enabled: bool = False
+    work_pool: str = "gpu"
+    policies: list[str] = Field(default_factory=lambda: ["base", "sft"])
+    anchor: str = "sft"
+    judge: Literal["verifier", "reward_model", "both"] = "verifier"
+    tie_margin: float = Field(0.0, ge=0.0)
+    bootstrap_rounds: int = Field(1000, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _anchor(self) -> EvalConfig:
+        if self.anchor not in self.policies:
+            raise ValueError(f"anchor: must be one of eval.policies {self.policies}, got {self.anchor!r}")
+        return self
+
+
+class PipelineConfig(Strict):
+    profile: str = "default"
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    storage: StorageConfig = StorageConfig()
+    sft: SFTConfig = SFTConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
+    ref_logprobs: RefLogprobsConfig = RefLogprobsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    dpo: DPOConfig = DPOConfig()
+    ppo: PPOConfig = PPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    eval: EvalConfig = EvalConfig()
+
+    def stage(self, name: str) -> Strict:
+        return getattr(self, name)
+
+    @model_validator(mode="after")
+    def _cross(self) -> PipelineConfig:
+        if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
+            raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
+        if self.ppo.enabled and self.ppo.reward_source != "verifier" and not self.reward_model.enabled:
+            raise ValueError(f"ppo.reward_source: {self.ppo.reward_source!r} needs reward_model.enabled: true")
+        if self.grpo.enabled and self.grpo.reward_source != "verifier" and not self.reward_model.enabled:
+            raise ValueError(f"grpo.reward_source: {self.grpo.reward_source!r} needs reward_model.enabled: true")
+        return self

@@ -1,0 +1,182 @@
+"""Load pipeline.yaml: merge a profile, apply `--set` overrides, validate, explain errors by key path."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rlhf.config import PipelineConfig
+
+_PREFIXED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.S)
+
+
+class ConfigError(Exception):
+    """Bad configuration; `problems` are 'key.path: what is wrong' lines. The CLI exits 2 on it."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid configuration\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def apply_override(raw: dict, assignment: str) -> dict:
+    """`a.b.c=value`; the value is parsed as YAML, so `3`, `true`, `[a, b]` and `null` get their types."""
+    if "=" not in assignment:
+        raise ConfigError("--set", [f"{assignment!r}: expected key.path=value"])
+    path, _, text = assignment.partition("=")
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError("--set", [f"{assignment!r}: empty key in path {path!r}"])
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError("--set", [f"{path}: value {text!r} is not valid YAML ({e.problem})"]) from None
+    out = copy.deepcopy(raw)
+    node = out
+    for i, k in enumerate(keys[:-1]):
+        nxt = node.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError("--set", [f"{'.'.join(keys[: i + 1])}: is a value, not a section"])
+        node = nxt
+    node[keys[-1]] = value
+    return out
+
+
+def _describe(err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    kind, ctx, got = err["type"], err.get("ctx", {}), err.get("input")
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if kind == "missing":
+        return f"{loc}: required key is missing"
+    if kind == "literal_error":
+        return f"{loc}: must be one of {ctx.get('expected')}, got {got!r}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"{loc}: must be {bounds[kind]} {limit}, got {got!r}"
+    if kind == "value_error":
+        msg = str(ctx.get("error", err["msg"]))
+        m = _PREFIXED.match(msg)
+        if m and "." in m.group(1):  # an absolute path from the top-level validator
+            return msg
+        if m:
+            return f"{loc + '.' if loc else ''}{m.group(1)}: {m.group(2)}"
+        return f"{loc}: {msg}"
+    return f"{loc}: {err['msg'].lower()}, got {got!r}"
+
+
+def _allowed_keys(model: type, loc: tuple) -> list[str]:
+    """Walk the model tree along `loc` to list the keys that section accepts."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not hasattr(field.annotation, "model_fields"):
+            return []
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def validate(raw: dict, source: str) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            line = _describe(err)
+            if err["type"] == "extra_forbidden":
+                allowed = _allowed_keys(PipelineConfig, tuple(err["loc"]))
+                line += f"; allowed: {', '.join(allowed)}" if allowed else ""
+            problems.append(line)
+        raise ConfigError(source, problems) from None
+
+
+def _resolve_local(url: str | None, base: Path) -> str | None:
+    if url is None or "://" in url and not url.startswith("file://"):
+        return url
+    path = Path(url.removeprefix("file://")).expanduser()
+    return str(path if path.is_absolute() else (base / path).resolve())
+
+
+def load_config(path: str | Path, profile: str = "default", overrides: list[str] | tuple = ()) -> PipelineConfig:
+    """Read `path`, merge `profiles.<profile>` over the base, apply overrides, validate.
+
+    Relative local paths (storage.url, data.*_path) resolve against the config file's folder, so a
+    worker started elsewhere reads the same artifacts.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), ["file not found"])
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(str(path), [f"not valid YAML: {e}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), ["top level must be a mapping of sections"])
+    profiles = raw.pop("profiles", None) or {}
+    if profile != "default":
+        if profile not in profiles:
+            avail = ", ".join(["default", *profiles])
+            raise ConfigError(str(path), [f"profile: unknown profile {profile!r}; available: {avail}"])
+        raw = deep_merge(raw, profiles[profile])
+    raw["profile"] = profile
+    for assignment in overrides:
+        raw = apply_override(raw, assignment)
+    base = path.resolve().parent
+    for section, key in (("storage", "url"), ("data", "sft_path"), ("data", "prefs_path")):
+        sec = raw.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str):
+            sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
+    return validate(raw, str(path))
+
+
+def _is_file_like(value: str) -> bool:
+    """A Hugging Face dataset name ('org/name') stays as is; paths with a data suffix are files."""
+    return value.endswith((".jsonl", ".json", ".parquet")) or value.startswith(("/", ".", "~", "file://"))
+
+
+def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """Batch-size semantics, spelled out per enabled stage (one process; multi-process comes later)."""
+    out: dict[str, dict[str, Any]] = {}
+    n_train = cfg.data.train_size
+    for name in ("sft", "reward_model", "dpo"):
+        st = cfg.stage(name)
+        if not st.enabled:
+            continue
+        per_step = st.per_device_batch_size * st.gradient_accumulation_steps
+        rows = n_train if name == "sft" else int(n_train * (1 - getattr(st, "eval_fraction", 0.0)))
+        steps = st.max_steps if st.max_steps > 0 else math.ceil(rows * st.num_epochs / per_step)
+        out[name] = {
+            "samples_per_optimizer_step": per_step,
+            "optimizer_steps": steps,
+            "train_rows": rows if cfg.data.sft_path is None or name != "sft" else "from data.sft_path",
+            "max_tokens_seen": steps * per_step * st.max_length,
+            "checkpoints": steps // st.save_steps,
+        }
+    for name in ("ppo", "grpo"):
+        st = cfg.stage(name)
+        if not st.enabled:
+            continue
+        rollouts = st.rollouts_per_iteration()
+        out[name] = {
+            "rollouts_per_iteration": rollouts,
+            "optimizer_steps_per_iteration": st.epochs * rollouts // st.minibatch_size,
+            "total_rollouts": rollouts * st.iterations,
+            "max_tokens_generated": rollouts * st.iterations * cfg.rollout.max_new_tokens,
+        }
+    return out

@@ -1,0 +1,113 @@
+"""The embedded default task: verifiable problems from reasoning-gym.
+
+From one `data` config it yields deterministic, disjoint train/eval problems with gold answers, a
+verifier reward, SFT demonstrations and preference pairs. Prompts are conversational (a single user
+turn) so the chat template applies, as TRL's conversational formats expect.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from functools import cached_property
+
+from rlhf.config import DataConfig
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str  # "<split>-<index>"
+    question: str
+    answer: str
+    entry: dict  # reasoning-gym's full entry, needed by its score_answer
+
+
+def last_number(text: str) -> str | None:
+    """The verifier reads the last number of a completion (so 'The answer is 7.' scores as '7')."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+@dataclass(frozen=True)
+class Task:
+    cfg: DataConfig
+
+    @property
+    def name(self) -> str:
+        return self.cfg.task.split(":", 1)[1]
+
+    def _generate(self, seed: int, size: int):
+        import reasoning_gym
+
+        return reasoning_gym.create_dataset(self.name, seed=seed, size=size, **self.cfg.task_params)
+
+    @cached_property
+    def _splits(self) -> tuple[list[Problem], list[Problem]]:
+        # Train and eval come from different seeds; eval drops any question that also appears in
+        # train so the held-out score never rewards memorisation.
+        train_ds = self._generate(self.cfg.seed, self.cfg.train_size)
+        train = [Problem(f"train-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(train_ds)]
+        seen = {p.question for p in train}
+        eval_ds = self._generate(self.cfg.seed + 1_000_003, self.cfg.eval_size * 2)
+        held_out = [e for e in eval_ds if e["question"] not in seen][: self.cfg.eval_size]
+        evals = [Problem(f"eval-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(held_out)]
+        return train, evals
+
+    @property
+    def train(self) -> list[Problem]:
+        return self._splits[0]
+
+    @property
+    def eval(self) -> list[Problem]:
+        return self._splits[1]
+
+    @cached_property
+    def _scorer(self):
+        import reasoning_gym
+
+        return reasoning_gym.get_score_answer_fn(self.name)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """Verifier reward in [0, 1]: reasoning-gym's own scorer on the completion's last number."""
+        answer = last_number(completion)
+        return float(self._scorer(answer if answer is not None else completion.strip(), problem.entry))
+
+    def sft_rows(self) -> list[dict]:
+        """Demonstrations: the gold answer as the assistant's reply."""
+        return [
+            {"prompt": [user(p.question)], "completion": [assistant(p.answer)]}
+            for p in self.train
+        ]
+
+    def preference_rows(self) -> list[dict]:
+        """Pairs whose chosen answer verifies and whose rejected answer does not (by construction)."""
+        rng = random.Random(self.cfg.seed)
+        rows = []
+        for p in self.train:
+            wrong = wrong_answer(p.answer, rng)
+            rows.append(
+                {"prompt": [user(p.question)], "chosen": [assistant(p.answer)], "rejected": [assistant(wrong)]}
+            )
+        return rows
+
+
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A plausible but incorrect answer: the gold number shifted by a non-zero offset."""
+    try:
+        value = Decimal(answer)
+    except InvalidOperation:
+        return answer + " (not sure)" if answer else "I don't know"
+    offset = rng.choice([-10, -2, -1, 1, 2, 10])
+    return str(value + offset)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}

@@ -1,0 +1,205 @@
+"""Shared plumbing of the Trainer-based stages (SFT, reward model, DPO): arguments, checkpoints
+mirrored into the artifact store, resume, progress logs and the metrics table.
+
+Checkpoints are written by the HF Trainer into local scratch, then copied to
+`<stage prefix>/checkpoints/checkpoint-<step>/` with a `.complete` marker written last, so a copy cut
+short by a crash is never resumed from. Resume downloads the newest complete checkpoint and hands it to
+`Trainer.train(resume_from_checkpoint=...)`, which restores weights, optimizer, scheduler, RNG and the
+data position (all loaded with torch.load(weights_only=True) by transformers).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from transformers import TrainerCallback
+
+from rlhf.config import TrainerOptions
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = ".complete"
+# Long format so DuckDB can pivot any metric: one row per (step, metric).
+METRICS_SCHEMA = pa.schema(
+    [
+        pa.field("stage", pa.string(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("epoch", pa.float64()),
+        pa.field("name", pa.string(), nullable=False),
+        pa.field("value", pa.float64()),
+    ]
+)
+# Test hook: RLHF_TEST_CRASH_AT="<stage>:<step>" raises at the end of that optimizer step, emulating a
+# crash between checkpoints. Used by tests/test_resume.py; never set in normal runs.
+CRASH_ENV = "RLHF_TEST_CRASH_AT"
+
+
+class InjectedCrash(RuntimeError):
+    pass
+
+
+def trainer_kwargs(opts: TrainerOptions, output_dir: Path, seed: int, dtype: str) -> dict[str, Any]:
+    """TrainingArguments fields common to every stage, set explicitly (TRL's own defaults differ:
+    it turns gradient checkpointing and bf16 on)."""
+    import torch
+
+    return {
+        "output_dir": str(output_dir),
+        "learning_rate": opts.learning_rate,
+        "num_train_epochs": opts.num_epochs,
+        "max_steps": opts.max_steps,
+        "per_device_train_batch_size": opts.per_device_batch_size,
+        "per_device_eval_batch_size": opts.per_device_batch_size,
+        "gradient_accumulation_steps": opts.gradient_accumulation_steps,
+        "optim": opts.optim,
+        "lr_scheduler_type": opts.lr_scheduler,
+        "warmup_steps": opts.warmup_ratio,  # a float in [0, 1) is a ratio of total steps in transformers 5
+        "weight_decay": opts.weight_decay,
+        "max_grad_norm": opts.max_grad_norm,
+        "gradient_checkpointing": opts.gradient_checkpointing,
+        "bf16": dtype == "bfloat16",
+        "fp16": dtype == "float16",
+        "use_cpu": not torch.cuda.is_available(),
+        "save_strategy": "steps",
+        "save_steps": opts.save_steps,
+        "save_total_limit": 1,
+        "logging_steps": opts.logging_steps,
+        "logging_first_step": True,
+        "report_to": [],
+        "disable_tqdm": True,
+        "seed": seed,
+        "data_seed": seed,
+        "dataloader_num_workers": 0,
+        "include_num_input_tokens_seen": True,
+    }
+
+
+def peft_config(opts: TrainerOptions, task_type: str = "CAUSAL_LM"):
+    if not opts.lora.enabled:
+        return None
+    from peft import LoraConfig
+
+    lora = opts.lora
+    return LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules, task_type=task_type
+    )
+
+
+def _fmt_eta(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+class ProgressAndMetrics(TrainerCallback):
+    """Logs step, loss, tokens/s and ETA; keeps every logged value for the metrics table."""
+
+    def __init__(self, stage: str, log):
+        self.stage, self.log = stage, log
+        self.rows: list[dict] = []
+        self.t0 = None
+        self.first_step = 0
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.t0 = time.perf_counter()
+        self.first_step = state.global_step  # > 0 after a resume
+        self.tokens0 = state.num_input_tokens_seen or 0
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        logs = logs or {}
+        step = state.global_step
+        for name, value in logs.items():
+            if isinstance(value, (int, float)):
+                self.rows.append({"stage": self.stage, "step": step, "epoch": state.epoch, "name": name, "value": float(value)})
+        elapsed = time.perf_counter() - self.t0
+        done = max(step - self.first_step, 1)
+        eta = elapsed / done * (state.max_steps - step)
+        tok_s = ((state.num_input_tokens_seen or 0) - self.tokens0) / max(elapsed, 1e-9)
+        loss = logs.get("loss", logs.get("train_loss"))
+        loss_txt = f"loss {loss:.4f} " if isinstance(loss, (int, float)) else ""
+        self.log.info(
+            "%s step %d/%d %stokens/s %.0f elapsed %s ETA %s",
+            self.stage, step, state.max_steps, loss_txt, tok_s, _fmt_eta(elapsed), _fmt_eta(eta),
+        )
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_pylist(self.rows, schema=METRICS_SCHEMA)
+
+
+class MirrorCheckpoints(TrainerCallback):
+    """Copies each local checkpoint into the store, marker last, and prunes older remote ones."""
+
+    def __init__(self, ctx, output_dir: Path):
+        self.ctx, self.output_dir = ctx, output_dir
+        crash = os.environ.get(CRASH_ENV, "")
+        stage, _, step = crash.partition(":")
+        self.crash_at = int(step) if stage == ctx.stage and step.isdigit() else None
+
+    def on_save(self, args, state, control, **kw):
+        step = state.global_step
+        local = self.output_dir / f"checkpoint-{step}"
+        remote = self.ctx.path(CHECKPOINTS, f"checkpoint-{step}")
+        store = self.ctx.store
+        store.put_dir(local, remote)
+        store.fs.pipe_file(posixpath.join(remote, COMPLETE), b"ok")
+        for name in store.list_dirs(self.ctx.path(CHECKPOINTS)):
+            if name != f"checkpoint-{step}":
+                store.fs.rm(self.ctx.path(CHECKPOINTS, name), recursive=True)
+        self.ctx.log.info("%s: checkpoint at step %d saved to %s", self.ctx.stage, step, store.url(remote))
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.crash_at is not None and state.global_step == self.crash_at:
+            raise InjectedCrash(f"{self.ctx.stage}: injected crash at step {state.global_step} ({CRASH_ENV})")
+
+
+def latest_checkpoint(ctx) -> tuple[int, Path] | None:
+    """Downloads the newest complete checkpoint of this stage into scratch; None when there is none."""
+    store = ctx.store
+    steps = []
+    for name in store.list_dirs(ctx.path(CHECKPOINTS)):
+        if name.startswith("checkpoint-") and store.fs.exists(ctx.path(CHECKPOINTS, name, COMPLETE)):
+            steps.append(int(name.split("-", 1)[1]))
+    if not steps:
+        return None
+    step = max(steps)
+    local = ctx.workdir / "resume" / f"checkpoint-{step}"
+    shutil.rmtree(local, ignore_errors=True)
+    store.get_dir(ctx.path(CHECKPOINTS, f"checkpoint-{step}"), local)
+    return step, local
+
+
+def fresh_output_dir(ctx) -> Path:
+    out = ctx.workdir / "trainer"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
+
+
+def publish_model(ctx, model, tokenizer, name: str = "model") -> str:
+    """Save a full HF folder (LoRA adapters merged) with safetensors, then copy it into the store."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    local = ctx.workdir / name
+    shutil.rmtree(local, ignore_errors=True)
+    model.save_pretrained(local, safe_serialization=True)
+    tokenizer.save_pretrained(local)
+    ctx.store.put_dir(local, ctx.path(name))
+    return name
+
+
+def fetch_model(ctx, stage: str, output: str = "model") -> str:
+    """Local copy of an input stage's model folder (the store may be S3)."""
+    local = ctx.workdir / "inputs" / stage
+    shutil.rmtree(local, ignore_errors=True)
+    ctx.store.get_dir(ctx.input_path(stage, output), local)
+    return str(local)
+
+
+def write_metrics(ctx, table: pa.Table, name: str = "metrics.parquet") -> str:
+    ctx.store.write_table(ctx.path(name), table, METRICS_SCHEMA)
+    return name
+

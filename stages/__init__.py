@@ -1,0 +1,1 @@
+"""Pipeline stages: plain Python, no Prefect. Each module has `run(stage_cfg, ctx) -> StageResult`."""

@@ -1,0 +1,90 @@
+"""Supervised fine-tuning on prompt/completion demonstrations (TRL SFTTrainer).
+
+Loss on completion tokens only by default (InstructGPT, Ouyang et al. 2022, sec. 3.5 trains on the
+labeller demonstrations). Outputs: `model/` (HF folder, safetensors, LoRA merged), `metrics.parquet`.
+Held-out greedy verifier accuracy of the base and the trained policy goes into the manifest metrics.
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset
+from trl import SFTConfig as TRLSFTConfig
+from trl import SFTTrainer
+
+from rlhf.config import SFTConfig
+from rlhf.generation import verifier_accuracy
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.runner import StageContext, StageResult
+from rlhf.tasks import Task
+from rlhf.training import (
+    MirrorCheckpoints,
+    ProgressAndMetrics,
+    fresh_output_dir,
+    latest_checkpoint,
+    peft_config,
+    publish_model,
+    trainer_kwargs,
+    write_metrics,
+)
+from rlhf.userdata import load_rows
+
+
+def demonstrations(ctx: StageContext) -> tuple[list[dict], int]:
+    """(rows, dropped count): user data when data.sft_path is set, else the task's demonstrations."""
+    data = ctx.cfg.data
+    if data.sft_path:
+        rows, dropped = load_rows(data.sft_path, "sft", data.on_bad_row)
+        for message in dropped:
+            ctx.log.warning("sft: dropped %s", message)
+        return rows, len(dropped)
+    return Task(data).sft_rows(), 0
+
+
+def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
+    pcfg = ctx.cfg
+    rows, dropped = demonstrations(ctx)
+    base = resolve_model(pcfg.model)
+    tokenizer = load_tokenizer(base)
+    model = load_causal_lm(base, pcfg.model)
+    task = Task(pcfg.data)
+    held_out = task.eval[: cfg.eval_prompts]
+    metrics: dict[str, float] = {}
+    if held_out:
+        metrics["sft/base_accuracy"] = verifier_accuracy(model, tokenizer, task, held_out, cfg.eval_max_new_tokens)
+        ctx.log.info("sft: base model held-out accuracy %.3f on %d prompts", metrics["sft/base_accuracy"], len(held_out))
+
+    resume = latest_checkpoint(ctx)
+    if resume:
+        ctx.log.info("sft: resuming from checkpoint at step %d", resume[0])
+    out_dir = fresh_output_dir(ctx)
+    args = TRLSFTConfig(
+        **trainer_kwargs(cfg, out_dir, pcfg.run.seed, pcfg.model.dtype),
+        max_length=cfg.max_length,
+        completion_only_loss=cfg.completion_only_loss,
+        packing=False,
+    )
+    progress = ProgressAndMetrics("sft", ctx.log)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        peft_config=peft_config(cfg),
+        callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
+    )
+    result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
+    metrics["sft/train_loss"] = float(result.training_loss)
+    metrics["sft/steps"] = float(trainer.state.global_step)
+    metrics["sft/tokens_seen"] = float(trainer.state.num_input_tokens_seen or 0)
+
+    trained = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
+    if held_out:
+        metrics["sft/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, cfg.eval_max_new_tokens)
+        ctx.log.info("sft: trained policy held-out accuracy %.3f", metrics["sft/accuracy"])
+    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, progress.table())}
+    return StageResult(
+        outputs=outputs,
+        rows={"train": len(rows), "dropped": dropped, "eval_prompts": len(held_out)},
+        metrics=metrics,
+        resumed_from_step=resume[0] if resume else None,
+    )
