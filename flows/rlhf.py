@@ -34,10 +34,12 @@ def stage_logs_to_prefect():
     root = logging.getLogger("rlhf")
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    propagate, root.propagate = root.propagate, False  # Prefect's run logger already prints to the console
     try:
         yield
     finally:
         root.removeHandler(handler)
+        root.propagate = propagate
 
 
 @task(cache_policy=NO_CACHE)
@@ -48,7 +50,7 @@ def stage_task(config_path: str, profile: str, overrides: list[str], stage: str)
     return {k: manifest[k] for k in ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")}
 
 
-@flow(name="rlhf", log_prints=True)
+@flow(name="rlhf")
 def rlhf(
     config_path: str = "pipeline.yaml",
     profile: str = "default",

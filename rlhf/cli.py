@@ -4,6 +4,7 @@ before anything heavy (torch, models, Prefect) is imported."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -68,6 +69,8 @@ def run(
     cfg, stages = _load_or_exit(config, profile, overrides)
     for stage, values in derived_quantities(cfg).items():
         typer.echo(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    # The temporary local API needs no telemetry (and there is no network to send it to).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.rlhf import rlhf
 
     results = rlhf(config_path=str(config.resolve()), profile=profile, overrides=overrides)

@@ -25,7 +25,7 @@ COMPLETE = ".complete"
 
 def home() -> Path:
     """Local cache for converted models and training scratch space (RLHF_HOME, default ~/.cache/rlhf)."""
-    return Path(os.environ.get("RLHF_HOME", Path.home() / ".cache" / "rlhf")).expanduser()
+    return Path(os.environ.get("RLHF_HOME") or Path.home() / ".cache" / "rlhf").expanduser()
 
 
 def _publish(tmp: Path, final: Path) -> Path:

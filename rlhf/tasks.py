@@ -86,22 +86,32 @@ class Task:
     def preference_rows(self) -> list[dict]:
         """Pairs whose chosen answer verifies and whose rejected answer does not (by construction)."""
         rng = random.Random(self.cfg.seed)
+        pool = [p.answer for p in self.train]
         rows = []
         for p in self.train:
-            wrong = wrong_answer(p.answer, rng)
+            # reasoning-gym gives partial credit when the gold string appears inside the answer
+            # ('-5' for '5'): redraw until the verifier scores the rejected reply 0.
+            wrong = wrong_answer(p.answer, rng, pool)
+            for _ in range(20):
+                if self.score(wrong, p) == 0.0:
+                    break
+                wrong = wrong_answer(p.answer, rng, pool)
+            else:
+                raise ValueError(f"{self.cfg.task}: could not build an incorrect answer for {p.id}")
             rows.append(
                 {"prompt": [user(p.question)], "chosen": [assistant(p.answer)], "rejected": [assistant(wrong)]}
             )
         return rows
 
 
-def wrong_answer(answer: str, rng: random.Random) -> str:
-    """A plausible but incorrect answer: the gold number shifted by a non-zero offset."""
+def wrong_answer(answer: str, rng: random.Random, pool: list[str]) -> str:
+    """A plausible but incorrect answer: the gold number shifted by a non-zero offset, or, for
+    non-numeric tasks, another problem's answer."""
     try:
         value = Decimal(answer)
     except InvalidOperation:
-        return answer + " (not sure)" if answer else "I don't know"
-    offset = rng.choice([-10, -2, -1, 1, 2, 10])
+        return rng.choice(pool)
+    offset = rng.choice([-10, -2, -1, 1, 2, 10, 11, 100])
     return str(value + offset)
 
 

@@ -17,8 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pyarrow as pa
+import transformers
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
 
 from rlhf.config import TrainerOptions
 
@@ -37,6 +40,11 @@ METRICS_SCHEMA = pa.schema(
 # Test hook: RLHF_TEST_CRASH_AT="<stage>:<step>" raises at the end of that optimizer step, emulating a
 # crash between checkpoints. Used by tests/test_resume.py; never set in normal runs.
 CRASH_ENV = "RLHF_TEST_CRASH_AT"
+
+# Progress is reported by ProgressAndMetrics through logging; library progress bars would interleave
+# with it in the Prefect logs.
+datasets.disable_progress_bars()
+transformers.utils.logging.disable_progress_bar()
 
 
 class InjectedCrash(RuntimeError):
@@ -61,7 +69,7 @@ def trainer_kwargs(opts: TrainerOptions, output_dir: Path, seed: int, dtype: str
         "warmup_steps": opts.warmup_ratio,  # a float in [0, 1) is a ratio of total steps in transformers 5
         "weight_decay": opts.weight_decay,
         "max_grad_norm": opts.max_grad_norm,
-        "gradient_checkpointing": opts.gradient_checkpointing,
+        "activation_checkpointing": opts.gradient_checkpointing,
         "bf16": dtype == "bfloat16",
         "fp16": dtype == "float16",
         "use_cpu": not torch.cuda.is_available(),
@@ -203,3 +211,8 @@ def write_metrics(ctx, table: pa.Table, name: str = "metrics.parquet") -> str:
     ctx.store.write_table(ctx.path(name), table, METRICS_SCHEMA)
     return name
 
+
+
+def quiet(trainer) -> None:
+    """Our progress callback logs through `logging`; the Trainer's stdout printer would duplicate it."""
+    trainer.remove_callback(PrinterCallback)

@@ -19,6 +19,7 @@ from rlhf.models import load_tokenizer, resolve_model, torch_dtype
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
 from rlhf.training import (
+    quiet,
     MirrorCheckpoints,
     ProgressAndMetrics,
     fetch_model,
@@ -86,6 +87,7 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         peft_config=peft_config(cfg, task_type="SEQ_CLS"),
         callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
     )
+    quiet(trainer)
     result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
     held_out = trainer.evaluate()  # also lands in the metrics table through the progress callback
     metrics = {

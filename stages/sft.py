@@ -17,6 +17,7 @@ from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
 from rlhf.training import (
+    quiet,
     MirrorCheckpoints,
     ProgressAndMetrics,
     fresh_output_dir,
@@ -72,6 +73,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
         peft_config=peft_config(cfg),
         callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
     )
+    quiet(trainer)
     result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
     metrics["sft/train_loss"] = float(result.training_loss)
     metrics["sft/steps"] = float(trainer.state.global_step)

@@ -1,0 +1,39 @@
+"""`rlhf run --profile tiny` through the real Prefect flow (temporary local API), run twice: the second
+run skips every stage by content key."""
+
+from __future__ import annotations
+
+import time
+
+from conftest import run_cli
+from rlhf.loader import load_config
+from conftest import CONFIG
+from rlhf.store import ArtifactStore
+
+
+def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
+    store_url = str(tmp_path / "artifacts")
+    args = ("run", "--profile", "tiny", "--run-name", "flowtest", "--set", f"storage.url={store_url}")
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "sft: ran" in first.stdout and "reward_model: ran" in first.stdout
+    logs = first.stdout + first.stderr
+    assert "Task run 'sft[flowtest]'" in logs and "sft step" in logs and "ETA" in logs  # progress reaches Prefect logs
+
+    store = ArtifactStore(load_config(CONFIG, "tiny", [f"storage.url={store_url}"]).storage)
+    keys = {s: store.require_manifest("flowtest", s)["key"] for s in ("sft", "reward_model")}
+
+    t0 = time.perf_counter()
+    second = run_cli(*args)
+    elapsed = time.perf_counter() - t0
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "sft: skipped" in second.stdout and "reward_model: skipped" in second.stdout
+    assert "skipped, complete with key" in second.stdout + second.stderr
+    assert {s: store.require_manifest("flowtest", s)["key"] for s in keys} == keys
+    print(f"fully skipped rerun: {elapsed:.1f} s")  # shown with -rP; includes the temporary API start
+
+
+def test_run_refuses_bad_config_before_any_work(tmp_path):
+    proc = run_cli("run", "--profile", "tiny", "--set", f"storage.url={tmp_path}", "--set", "sft.max_steps=0")
+    assert proc.returncode == 2 and "sft.max_steps: must be -1 (use num_epochs) or >= 1, got 0" in proc.stderr
+    assert not any(tmp_path.iterdir())

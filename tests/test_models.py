@@ -1,0 +1,43 @@
+"""The embedded default model loads and generates offline; the tiny model builds with the same tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.config import ModelConfig, TinyModelConfig
+from rlhf.generation import greedy_completions
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+
+
+def test_tiny_model_builds_with_the_embedded_tokenizer():
+    path = resolve_model(ModelConfig(name="tiny"))
+    model, tok = load_causal_lm(path, ModelConfig(name="tiny")), load_tokenizer(path)
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+    assert model.config.vocab_size == len(tok) == 49152
+    assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    out = greedy_completions(model, tok, [[{"role": "user", "content": "1 + 1 ="}]], max_new_tokens=3)
+    assert len(out) == 1
+    # Same config -> same folder and identical weights (init is seeded); another config -> another folder.
+    assert resolve_model(ModelConfig(name="tiny")) == path
+    other = resolve_model(ModelConfig(name="tiny", tiny=TinyModelConfig(init_seed=1)))
+    assert other != path
+
+
+def test_missing_local_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.name: local path"):
+        resolve_model(ModelConfig(name=str(tmp_path / "nothing")))
+
+
+@pytest.mark.slow
+def test_embedded_default_loads_and_generates():
+    cfg = ModelConfig()
+    path = resolve_model(cfg)
+    model, tok = load_causal_lm(path, cfg), load_tokenizer(path)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 134_000_000 < n_params < 135_000_000
+    assert model.dtype == torch.float32
+    prompts = [[{"role": "user", "content": "What is 2 + 3? Answer with a number."}], [{"role": "user", "content": "Say hello."}]]
+    out = greedy_completions(model, tok, prompts, max_new_tokens=12)
+    assert len(out) == 2 and all(o.strip() for o in out)
+    assert "5" in out[0]

@@ -1,0 +1,109 @@
+"""SFT and reward-model stages on the tiny profile: learning happens, crashes resume from the last
+checkpoint, and content keys decide what reruns."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.compute as pc
+import pytest
+from safetensors.torch import load_file
+
+from rlhf.runner import execute_stage
+from rlhf.store import ArtifactStore
+from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+
+
+def metric_series(cfg, stage: str, name: str) -> list[tuple[int, float]]:
+    store = ArtifactStore(cfg.storage)
+    table = store.read_table(store.stage_path(cfg.run.name, stage, "metrics.parquet"), METRICS_SCHEMA)
+    rows = table.filter(pc.equal(table["name"], name)).to_pylist()
+    return [(r["step"], r["value"]) for r in rows]
+
+
+def test_sft_loss_goes_down_and_outputs_are_complete(tiny_cfg):
+    cfg = tiny_cfg("sft.max_steps=12", "reward_model.enabled=false")
+    m = execute_stage(cfg, "sft")
+    assert m["status"] == "ran" and m["rows"]["train"] == 64
+    losses = [v for _, v in metric_series(cfg, "sft", "loss")]
+    assert len(losses) >= 4
+    assert losses[-1] < losses[0] - 0.5, losses  # tiny model, lr 1e-3: about 10.8 -> 9.9 in 12 steps
+    store = ArtifactStore(cfg.storage)
+    files = {p.rsplit("/", 1)[-1] for p in store.fs.find(store.stage_path("tiny", "sft", "model"))}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
+    assert not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
+    assert not store.fs.exists(store.stage_path("tiny", "sft", "checkpoints"))  # dropped once complete
+    for key in ("key", "code_version", "packages", "seed", "rows", "timings", "inputs"):
+        assert key in m
+
+
+def separable_pairs(path, n: int) -> str:
+    """Chosen replies are always 'yes ...', rejected ones 'no ...': separable by construction."""
+    rows = []
+    for i in range(n):
+        prompt = [{"role": "user", "content": f"Question {i}: is {i} + {i} equal to {2 * i}?"}]
+        rows.append({
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": f"yes yes, {2 * i}"}],
+            "rejected": [{"role": "assistant", "content": f"no no, {2 * i + 1}"}],
+        })
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return str(path)
+
+
+def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
+    prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
+    cfg = tiny_cfg(
+        f"data.prefs_path={prefs}", "sft.enabled=false", "reward_model.init_from=base",
+        "reward_model.max_steps=30", "reward_model.learning_rate=3e-3", "reward_model.eval_fraction=0.25",
+        "reward_model.save_steps=100",
+    )
+    m = execute_stage(cfg, "reward_model")
+    assert m["rows"] == {"train_pairs": 72, "eval_pairs": 24, "dropped": 0}
+    assert m["metrics"]["reward_model/eval_accuracy"] >= 0.9, m["metrics"]
+    assert m["metrics"]["reward_model/eval_margin"] > 0
+
+
+def test_crash_after_checkpoint_resumes_from_it(tiny_cfg, tmp_path, monkeypatch):
+    common = ("reward_model.enabled=false", "sft.max_steps=8", "sft.save_steps=4", "sft.eval_prompts=0")
+    cfg = tiny_cfg(*common)
+    store = ArtifactStore(cfg.storage)
+    monkeypatch.setenv(CRASH_ENV, "sft:6")
+    with pytest.raises(InjectedCrash):
+        execute_stage(cfg, "sft")
+    assert store.read_manifest("tiny", "sft") is None  # no manifest after the crash
+    assert store.fs.exists(store.stage_path("tiny", "sft", "checkpoints", "checkpoint-4", ".complete"))
+
+    monkeypatch.delenv(CRASH_ENV)
+    m = execute_stage(cfg, "sft")
+    assert m["status"] == "resumed" and m["resumed_from_step"] == 4
+    assert m["metrics"]["sft/steps"] == 8
+    steps = [s for s, _ in metric_series(cfg, "sft", "loss")]
+    assert min(steps) > 4  # the resumed run logged only steps after the checkpoint
+    assert execute_stage(cfg, "sft")["status"] == "skipped"
+
+    # An uninterrupted run ends at the same weights: optimizer, scheduler, RNG and data order restored.
+    straight = tiny_cfg(*common, storage=str(tmp_path / "straight"))
+    execute_stage(straight, "sft")
+    a = load_file(ArtifactStore(cfg.storage).get_dir(store.stage_path("tiny", "sft", "model"), tmp_path / "a") / "model.safetensors")
+    s2 = ArtifactStore(straight.storage)
+    b = load_file(s2.get_dir(s2.stage_path("tiny", "sft", "model"), tmp_path / "b") / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+
+
+def test_changed_key_reruns_the_stage_and_downstream_only(tiny_cfg):
+    cfg = tiny_cfg()
+    first = {s: execute_stage(cfg, s) for s in ("sft", "reward_model")}
+    assert [m["status"] for m in first.values()] == ["ran", "ran"]
+
+    rm_only = tiny_cfg("reward_model.learning_rate=5e-4")
+    assert execute_stage(rm_only, "sft")["status"] == "skipped"
+    assert execute_stage(rm_only, "reward_model")["status"] == "ran"
+
+    sft_changed = tiny_cfg("reward_model.learning_rate=5e-4", "sft.learning_rate=2e-3")
+    m_sft = execute_stage(sft_changed, "sft")
+    m_rm = execute_stage(sft_changed, "reward_model")
+    assert m_sft["status"] == "ran" and m_sft["key"] != first["sft"]["key"]
+    assert m_rm["status"] == "ran" and m_rm["inputs"]["sft"] == m_sft["key"]

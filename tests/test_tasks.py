@@ -1,0 +1,57 @@
+"""The embedded task: deterministic by seed, disjoint splits, a verifier that reads the last number."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rlhf.config import DataConfig
+from rlhf.tasks import Task, last_number, wrong_answer
+
+
+def test_deterministic_by_seed_and_changes_with_seed():
+    a, b = Task(DataConfig(train_size=50, eval_size=20)), Task(DataConfig(train_size=50, eval_size=20))
+    assert [p.question for p in a.train] == [p.question for p in b.train]
+    assert [p.question for p in a.eval] == [p.question for p in b.eval]
+    assert a.preference_rows() == b.preference_rows()
+    c = Task(DataConfig(train_size=50, eval_size=20, seed=1))
+    assert [p.question for p in c.train] != [p.question for p in a.train]
+
+
+def test_train_and_eval_prompts_do_not_overlap():
+    # 1-digit sums have only 2 x 9 x 9 = 162 distinct questions, so random splits would collide.
+    task = Task(DataConfig(train_size=120, eval_size=30, task_params={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}))
+    train_q = {p.question for p in task.train}
+    assert task.eval and not train_q & {p.question for p in task.eval}
+    assert len({p.id for p in task.train + task.eval}) == len(task.train) + len(task.eval)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("The answer is 7.", "7"), ("4 - 1 = 3", "3"), ("-37", "-37"), ("1,000 apples", "1000"), ("none", None), ("2.5 or 3.75", "3.75")],
+)
+def test_last_number(text, expected):
+    assert last_number(text) == expected
+
+
+def test_verifier_scores_gold_one_and_wrong_zero():
+    task = Task(DataConfig(train_size=20, eval_size=5))
+    p = task.train[0]
+    assert task.score(f"The answer is {p.answer}.", p) == 1.0
+    assert task.score(str(int(p.answer) + 1), p) == 0.0
+    assert task.score("no idea", p) == 0.0
+
+
+def test_demonstrations_and_pairs_are_conversational_and_verified():
+    task = Task(DataConfig(train_size=30, eval_size=5))
+    sft = task.sft_rows()
+    assert len(sft) == 30 and sft[0]["prompt"][0]["role"] == "user" and sft[0]["completion"][0]["role"] == "assistant"
+    for row, p in zip(task.preference_rows(), task.train):
+        assert task.score(row["chosen"][0]["content"], p) == 1.0
+        assert task.score(row["rejected"][0]["content"], p) == 0.0
+
+
+def test_wrong_answer_for_non_numeric_gold_comes_from_the_pool():
+    assert wrong_answer("cat", random.Random(0), ["dog"]) == "dog"
+    assert wrong_answer("12", random.Random(0), []) != "12"

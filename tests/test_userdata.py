@@ -1,0 +1,72 @@
+"""User data in TRL's formats: row-level errors name the file, the line and the column."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf.userdata import DataError, load_rows
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_good_plain_and_conversational_rows(tmp_path):
+    src = write_jsonl(
+        tmp_path / "prefs.jsonl",
+        [
+            {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+            {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+             "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}]},
+        ],
+    )
+    rows, dropped = load_rows(src, "prefs")
+    assert len(rows) == 2 and dropped == []
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt": "p", "chosen": "", "rejected": "x"}, "line 2: 'chosen' is empty"),
+        ({"prompt": "p", "chosen": "a"}, "line 2: missing columns: expected {prompt, chosen, rejected} or {chosen, rejected}"),
+        ({"prompt": "p", "chosen": "a", "rejected": "a"}, "line 2: 'chosen' and 'rejected' are identical"),
+        ({"prompt": "p", "chosen": [{"role": "assistant"}], "rejected": "b"}, "line 2: 'chosen' message 0 needs 'role' and 'content'"),
+        ({"prompt": 3, "chosen": "a", "rejected": "b"}, "line 2: 'prompt' must be a string or a list of messages, got int"),
+        ("{not json", "line 2: not valid JSON"),
+    ],
+)
+def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, message):
+    src = write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, bad])
+    with pytest.raises(DataError) as e:
+        load_rows(src, "prefs")
+    assert str(e.value) == f"{src} {message}" or str(e.value).startswith(f"{src} {message}")
+
+
+def test_drop_mode_counts_and_reports(tmp_path):
+    src = write_jsonl(
+        tmp_path / "sft.jsonl",
+        [{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": " "}, {"messages": []}, {"prompt": "c", "completion": "d"}],
+    )
+    rows, dropped = load_rows(src, "sft", on_bad_row="drop")
+    assert len(rows) == 2
+    assert dropped == [f"{src} line 2: 'completion' is empty", f"{src} line 3: 'messages' is an empty message list"]
+
+
+def test_parquet_rows_are_numbered(tmp_path):
+    path = tmp_path / "sft.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"], "completion": ["x", ""]}), path)
+    with pytest.raises(DataError, match=r"sft.parquet row 2: 'completion' is empty"):
+        load_rows(str(path), "sft")
+
+
+def test_missing_file_and_all_rows_bad(tmp_path):
+    with pytest.raises(DataError, match="file not found"):
+        load_rows(str(tmp_path / "nope.jsonl"), "sft")
+    src = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "", "completion": ""}])
+    with pytest.raises(DataError, match="no usable rows"):
+        load_rows(src, "sft", on_bad_row="drop")
