@@ -1,8 +1,8 @@
 """The `rlhf` flow: runs the enabled stages in DAG order, one Prefect task per stage.
 
-Tasks receive the config location and overrides (references), never tensors or models; each task
-reloads the config, so it can run in another process or on another work pool and read the same
-artifacts from the store. Skips, resumes and runs are decided by rlhf.runner.execute_stage.
+Tasks receive the resolved config (a small dict) and pass artifact references, never tensors or
+models, so a task can run in another process or on another work pool and read the same artifacts from
+the store. Skips, resumes and runs are decided by rlhf.runner.execute_stage.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf.loader import load_config
+from rlhf.loader import load_config, validate
 from rlhf.runner import execute_stage, plan
 
 
@@ -43,8 +43,8 @@ def stage_logs_to_prefect():
 
 
 @task(cache_policy=NO_CACHE)
-def stage_task(config_path: str, profile: str, overrides: list[str], stage: str) -> dict:
-    cfg = load_config(config_path, profile, overrides)
+def stage_task(config: dict, stage: str) -> dict:
+    cfg = validate(config, f"resolved config of stage {stage}")
     with stage_logs_to_prefect():
         manifest = execute_stage(cfg, stage)
     return {k: manifest[k] for k in ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")}
@@ -59,13 +59,14 @@ def rlhf(
 ) -> list[dict]:
     overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
     cfg = load_config(config_path, profile, overrides)
+    # Tasks get the resolved config (a small dict), not the file path: editing pipeline.yaml during a
+    # run cannot change its later stages, and a worker elsewhere needs no copy of the file.
+    resolved = cfg.model_dump(mode="json")
     logger = get_run_logger()
     logger.info("run %r, profile %r, stages: %s", cfg.run.name, profile, " -> ".join(plan(cfg)))
     results = []
     for stage in plan(cfg):
-        summary = stage_task.with_options(name=stage, task_run_name=f"{stage}[{cfg.run.name}]")(
-            config_path, profile, overrides, stage
-        )
+        summary = stage_task.with_options(name=stage, task_run_name=f"{stage}[{cfg.run.name}]")(resolved, stage)
         logger.info("%s: %s (key %s)", stage, summary["status"], summary["key"][:12])
         results.append(summary)
     return results

@@ -174,9 +174,9 @@ class RefLogprobsConfig(Strict):
     enabled: bool = False
     work_pool: str = "gpu"
     batch_size: int = Field(16, ge=1)
-    max_prompt_length: int = Field(128, ge=1)
-    max_completion_length: int = Field(128, ge=1)
-    per_token: bool = False
+    # Prompt + completion tokens, as DPO's collator truncates them; must equal dpo.max_length.
+    max_length: int = Field(256, ge=8)
+    per_token: bool = False  # also keep per-token log-probs (list columns)
 
 
 class RolloutConfig(Strict):
@@ -193,14 +193,21 @@ class RolloutConfig(Strict):
 class DPOConfig(TrainerOptions):
     enabled: bool = False
     learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    loss_type: Literal["sigmoid", "ipo", "robust"] = "sigmoid"
     beta: float = Field(0.1, gt=0.0)  # Rafailov et al. 2023 use 0.1
-    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)  # conservative DPO (Mitchell 2023)
+    # Preference-flip rate for loss_type 'robust' (rDPO, Chowdhury et al. 2024). TRL 1.16's 'sigmoid'
+    # ignores label smoothing, so accepting it there would silently do nothing.
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
+    eval_max_new_tokens: int = Field(16, ge=1)
 
     @model_validator(mode="after")
-    def _ipo(self) -> DPOConfig:
-        if self.loss_type == "ipo" and self.label_smoothing > 0:
-            raise ValueError(f"label_smoothing: applies to loss_type 'sigmoid' only and must be 0 for 'ipo', got {self.label_smoothing}")
+    def _smoothing(self) -> DPOConfig:
+        if self.label_smoothing > 0 and self.loss_type != "robust":
+            raise ValueError(
+                f"label_smoothing: only loss_type 'robust' uses it (TRL 1.16 'sigmoid' ignores it), "
+                f"got {self.label_smoothing} with {self.loss_type!r}"
+            )
         return self
 
 
@@ -303,6 +310,13 @@ class PipelineConfig(Strict):
     def _cross(self) -> PipelineConfig:
         if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
             raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
+        if self.dpo.enabled and not self.ref_logprobs.enabled:
+            raise ValueError("dpo.enabled: DPO reads cached reference log-probs; set ref_logprobs.enabled: true")
+        if self.dpo.enabled and self.dpo.max_length != self.ref_logprobs.max_length:
+            raise ValueError(
+                f"dpo.max_length: must equal ref_logprobs.max_length ({self.ref_logprobs.max_length}) so the cached "
+                f"reference log-probs see the same truncation, got {self.dpo.max_length}"
+            )
         if self.ppo.enabled and self.ppo.reward_source != "verifier" and not self.reward_model.enabled:
             raise ValueError(f"ppo.reward_source: {self.ppo.reward_source!r} needs reward_model.enabled: true")
         if self.grpo.enabled and self.grpo.reward_source != "verifier" and not self.reward_model.enabled:

@@ -26,10 +26,15 @@ from rlhf.store import ATTEMPT, ArtifactStore
 log = logging.getLogger("rlhf.runner")
 
 # stage -> module. Stages of later issues join this table as they land.
-STAGE_MODULES = {"sft": "stages.sft", "reward_model": "stages.reward_model"}
+STAGE_MODULES = {
+    "sft": "stages.sft",
+    "reward_model": "stages.reward_model",
+    "ref_logprobs": "stages.ref_logprobs",
+    "dpo": "stages.dpo",
+}
 DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "rollout", "dpo", "ppo", "grpo", "eval")
 # Core modules whose code is part of every stage's content key, beside the stage's own module.
-CORE_MODULES = ("rlhf/models.py", "rlhf/tasks.py", "rlhf/userdata.py", "rlhf/training.py")
+CORE_MODULES = ("rlhf/models.py", "rlhf/tasks.py", "rlhf/userdata.py", "rlhf/pairs.py", "rlhf/training.py", "rlhf/logprobs.py")
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
 
@@ -59,8 +64,14 @@ class StageContext:
 
 
 def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
+    """The stages whose outputs `stage` reads (their keys are part of its content key)."""
+    sft = ["sft"] if cfg.sft.enabled else []
     if stage == "reward_model":
         return ["sft"] if cfg.reward_model.init_from == "sft" else []
+    if stage == "ref_logprobs":
+        return sft  # the reference is the policy DPO starts from: SFT when it runs, else the base model
+    if stage == "dpo":
+        return [*sft, "ref_logprobs"]
     return []
 
 

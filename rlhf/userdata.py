@@ -86,14 +86,17 @@ def row_problem(row: Any, kind: Kind) -> str | None:
     return None
 
 
-def load_rows(source: str, kind: Kind, on_bad_row: Literal["fail", "drop"] = "fail") -> tuple[list[dict], list[str]]:
-    """Validated rows plus the list of dropped-row messages (empty unless on_bad_row='drop')."""
+def load_rows(
+    source: str, kind: Kind, on_bad_row: Literal["fail", "drop"] = "fail", keep_index: bool = False
+) -> tuple[list, list[str]]:
+    """Validated rows plus the list of dropped-row messages (empty unless on_bad_row='drop').
+    With keep_index, rows come as (1-based row number, row) pairs."""
     rows, unit = _read_rows(source)
     good, dropped = [], []
     for n, row in enumerate(rows, start=1):
         problem = row_problem(row, kind)
         if problem is None:
-            good.append(row)
+            good.append((n, row) if keep_index else row)
             continue
         message = f"{source} {unit} {n}: {problem}"
         if on_bad_row == "fail":

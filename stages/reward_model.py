@@ -16,8 +16,8 @@ from trl import RewardConfig, RewardTrainer
 
 from rlhf.config import RewardModelConfig
 from rlhf.models import load_tokenizer, resolve_model, torch_dtype
+from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
-from rlhf.tasks import Task
 from rlhf.training import (
     quiet,
     MirrorCheckpoints,
@@ -30,20 +30,6 @@ from rlhf.training import (
     trainer_kwargs,
     write_metrics,
 )
-from rlhf.userdata import load_rows
-
-
-def preference_pairs(ctx: StageContext, use_margin: bool) -> tuple[list[dict], int]:
-    data = ctx.cfg.data
-    if data.prefs_path:
-        rows, dropped = load_rows(data.prefs_path, "prefs", data.on_bad_row)
-        for message in dropped:
-            ctx.log.warning("reward_model: dropped %s", message)
-    else:
-        rows, dropped = Task(data).preference_rows(), []
-    if not use_margin:
-        rows = [{k: v for k, v in r.items() if k != "margin"} for r in rows]
-    return rows, len(dropped)
 
 
 def split(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -58,7 +44,8 @@ def split(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict]
 
 def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped = preference_pairs(ctx, cfg.use_margin)
+    rows, dropped = preference_pairs(pcfg.data, ctx.log, keep_margin=cfg.use_margin)
+    rows = [{k: v for k, v in r.items() if k != "pair_id"} for r in rows]
     train_rows, eval_rows = split(rows, cfg.eval_fraction, pcfg.run.seed)
     init = fetch_model(ctx, "sft") if cfg.init_from == "sft" else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)

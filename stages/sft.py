@@ -14,6 +14,7 @@ from trl import SFTTrainer
 from rlhf.config import SFTConfig
 from rlhf.generation import verifier_accuracy
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.pairs import demonstrations
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
 from rlhf.training import (
@@ -27,23 +28,11 @@ from rlhf.training import (
     trainer_kwargs,
     write_metrics,
 )
-from rlhf.userdata import load_rows
-
-
-def demonstrations(ctx: StageContext) -> tuple[list[dict], int]:
-    """(rows, dropped count): user data when data.sft_path is set, else the task's demonstrations."""
-    data = ctx.cfg.data
-    if data.sft_path:
-        rows, dropped = load_rows(data.sft_path, "sft", data.on_bad_row)
-        for message in dropped:
-            ctx.log.warning("sft: dropped %s", message)
-        return rows, len(dropped)
-    return Task(data).sft_rows(), 0
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped = demonstrations(ctx)
+    rows, dropped = demonstrations(pcfg.data, ctx.log)
     base = resolve_model(pcfg.model)
     tokenizer = load_tokenizer(base)
     model = load_causal_lm(base, pcfg.model)

@@ -1,0 +1,109 @@
+"""Reference log-probs of preference completions, computed exactly as TRL's DPOTrainer sees them.
+
+The cached numbers must equal what DPOTrainer would compute on the fly, so tokenisation mirrors
+TRL 1.16's `DPOTrainer._prepare_dataset` (chat template; the completion starts where prompt and
+prompt+completion token ids diverge) and batching uses TRL's own `DataCollatorForPreference`.
+tests/test_ref_cache.py checks both against TRL, so a TRL upgrade that changes either fails loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from trl.data_utils import common_prefix_length, extract_prompt, is_conversational
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    pair_id: str
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+
+
+def _ids(tokenizer, value, **kw) -> list[int]:
+    if isinstance(value, list):
+        return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **kw)["input_ids"])
+    return list(tokenizer(text=value)["input_ids"])
+
+
+def tokenize_pair(tokenizer, row: dict) -> TokenizedPair:
+    """Token ids of one preference row, as TRL's DPOTrainer tokenises it (plain or conversational)."""
+    if "prompt" not in row:
+        row = {**row, **extract_prompt({"chosen": row["chosen"], "rejected": row["rejected"]})}
+    if is_conversational(row):
+        prompt = _ids(tokenizer, row["prompt"], add_generation_prompt=True)
+        full_c = _ids(tokenizer, row["prompt"] + row["chosen"])
+        full_r = _ids(tokenizer, row["prompt"] + row["rejected"])
+    else:
+        eos = tokenizer.eos_token
+        chosen = row["chosen"] if row["chosen"].endswith(eos) else row["chosen"] + eos
+        rejected = row["rejected"] if row["rejected"].endswith(eos) else row["rejected"] + eos
+        prompt = _ids(tokenizer, row["prompt"])
+        full_c, full_r = _ids(tokenizer, row["prompt"] + chosen), _ids(tokenizer, row["prompt"] + rejected)
+    n = min(common_prefix_length(prompt, full_c), common_prefix_length(prompt, full_r))
+    return TokenizedPair(row.get("pair_id", ""), prompt[:n], full_c[n:], full_r[n:])
+
+
+def length_problem(pair: TokenizedPair, max_length: int) -> str | None:
+    """Over-long pairs would be silently truncated by the collator (keep_start): report them instead."""
+    if not pair.chosen_ids or not pair.rejected_ids:
+        return "a completion is empty after tokenisation"
+    longest = len(pair.prompt_ids) + max(len(pair.chosen_ids), len(pair.rejected_ids))
+    if longest > max_length:
+        return f"prompt + completion is {longest} tokens, over max_length {max_length}"
+    return None
+
+
+@dataclass
+class PairLogps:
+    """Summed completion log-probs per pair. Shapes: [B]; per-token lists only when asked for."""
+
+    chosen: torch.Tensor  # [B] float64
+    rejected: torch.Tensor  # [B] float64
+    chosen_tokens: torch.Tensor  # [B] int
+    rejected_tokens: torch.Tensor  # [B] int
+    chosen_per_token: list[list[float]] | None = None
+    rejected_per_token: list[list[float]] | None = None
+
+
+def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor):
+    """Per-token log-probs of the completion tokens. Returns ([N, T-1] log-probs * mask, [N, T-1] mask).
+
+    input_ids, attention_mask, completion_mask: [N, T], right-padded (TRL's collator layout).
+    Token t is scored by the logits at t-1, so position 0 (always prompt) is never scored.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
+    targets = input_ids[:, 1:]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    mask = completion_mask[:, 1:].to(logp.dtype)
+    return logp * mask, mask
+
+
+@torch.no_grad()
+def pair_logps(model, tokenizer, pairs: list[TokenizedPair], max_length: int, batch_size: int, per_token: bool = False,
+               on_batch=None) -> PairLogps:
+    """Batched, gradient-free, padding-aware reference pass over all pairs, in order."""
+    collator = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_length)
+    model.eval()
+    chosen, rejected, n_c, n_r, tok_c, tok_r = [], [], [], [], [], []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        batch = collator([{"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids, "rejected_ids": p.rejected_ids} for p in chunk])
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        logp, mask = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        sums, counts = logp.sum(dim=1).double().cpu(), mask.sum(dim=1).long().cpu()
+        b = len(chunk)
+        chosen.append(sums[:b]), rejected.append(sums[b:]), n_c.append(counts[:b]), n_r.append(counts[b:])
+        if per_token:
+            for i in range(2 * b):
+                row = logp[i][mask[i].bool()].tolist()
+                (tok_c if i < b else tok_r).append(row)
+        if on_batch is not None:
+            on_batch(start + b, int(batch["attention_mask"].sum()))
+    return PairLogps(
+        torch.cat(chosen), torch.cat(rejected), torch.cat(n_c), torch.cat(n_r),
+        tok_c if per_token else None, tok_r if per_token else None,
+    )

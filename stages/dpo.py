@@ -1,0 +1,115 @@
+"""DPO from cached reference log-probs (TRL DPOTrainer, no reference model in memory).
+
+Rafailov et al. 2023. The policy starts from the SFT model (or the base model when SFT is off); the
+reference log-probs come from the ref_logprobs stage's Parquet table, joined on pair_id. TRL 1.16 has no
+option to accept user-supplied reference log-probs (see shared/ENVIRONMENT.md): with
+precompute_ref_log_probs=True it builds no reference model, and `CachedRefDPOTrainer` makes its
+precompute step return the dataset unchanged because the columns are already there. trl is pinned
+(pyproject.toml) and tests/test_dpo.py fails if a reference model is ever built.
+Outputs: `model/`, `metrics.parquet`; held-out verifier accuracy in the manifest metrics.
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset
+from trl import DPOConfig as TRLDPOConfig
+from trl import DPOTrainer
+
+from rlhf.config import DPOConfig
+from rlhf.generation import verifier_accuracy
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.pairs import preference_pairs
+from rlhf.runner import StageContext, StageResult
+from rlhf.tasks import Task
+from rlhf.training import (
+    MirrorCheckpoints,
+    ProgressAndMetrics,
+    fetch_model,
+    fresh_output_dir,
+    latest_checkpoint,
+    peft_config,
+    publish_model,
+    quiet,
+    trainer_kwargs,
+    write_metrics,
+)
+from stages.ref_logprobs import REF_LOGPS_SCHEMA
+
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class CachedRefDPOTrainer(DPOTrainer):
+    """DPOTrainer whose reference log-probs always come from the dataset (our durable cache)."""
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        missing = [c for c in REF_COLUMNS if c not in dataset.column_names]
+        if missing:
+            raise ValueError(f"{name} dataset lacks cached reference columns {missing}; refusing an on-the-fly reference pass")
+        return dataset
+
+
+def with_reference(rows: list[dict], ref_rows: list[dict]) -> tuple[list[dict], int]:
+    """Attach cached log-probs by pair_id; pairs the ref stage dropped (over-long) are left out."""
+    ref = {r["pair_id"]: r for r in ref_rows}
+    joined = [
+        {**{k: v for k, v in row.items() if k != "pair_id"}, **{c: ref[row["pair_id"]][c] for c in REF_COLUMNS}}
+        for row in rows
+        if row["pair_id"] in ref
+    ]
+    if not joined:
+        raise ValueError("no preference pair has a cached reference log-prob: ref_logprobs and dpo disagree on data")
+    return joined, len(rows) - len(joined)
+
+
+def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
+    pcfg = ctx.cfg
+    rows, _ = preference_pairs(pcfg.data, ctx.log)
+    ref_table = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA)
+    train_rows, unmatched = with_reference(rows, ref_table.select(["pair_id", *REF_COLUMNS]).to_pylist())
+    init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
+    tokenizer = load_tokenizer(init)
+    model = load_causal_lm(init, pcfg.model)
+
+    resume = latest_checkpoint(ctx)
+    if resume:
+        ctx.log.info("dpo: resuming from checkpoint at step %d", resume[0])
+    out_dir = fresh_output_dir(ctx)
+    args = TRLDPOConfig(
+        **trainer_kwargs(cfg, out_dir, pcfg.run.seed, pcfg.model.dtype),
+        max_length=cfg.max_length,
+        truncation_mode="keep_start",
+        beta=cfg.beta,
+        loss_type=[cfg.loss_type],
+        label_smoothing=cfg.label_smoothing,
+        precompute_ref_log_probs=True,  # with the override above: no reference model is built or run
+    )
+    progress = ProgressAndMetrics("dpo", ctx.log)
+    trainer = CachedRefDPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(train_rows),
+        processing_class=tokenizer,
+        peft_config=peft_config(cfg),
+        callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
+    )
+    if trainer.ref_model is not None:  # guards the TRL behaviour this stage depends on
+        raise RuntimeError("DPOTrainer built a reference model although cached reference log-probs were supplied")
+    quiet(trainer)
+    result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
+    metrics = {"dpo/train_loss": float(result.training_loss), "dpo/steps": float(trainer.state.global_step)}
+    last = {r["name"]: r["value"] for r in progress.rows if r["name"].startswith("rewards/")}
+    metrics.update({f"dpo/{k}": v for k, v in last.items()})
+
+    trained = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
+    task = Task(pcfg.data)
+    held_out = task.eval[: cfg.eval_prompts]
+    if held_out:
+        metrics["dpo/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, cfg.eval_max_new_tokens)
+        ctx.log.info("dpo: policy held-out accuracy %.3f", metrics["dpo/accuracy"])
+    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, progress.table())}
+    return StageResult(
+        outputs=outputs,
+        rows={"train_pairs": len(train_rows), "without_reference": unmatched},
+        metrics=metrics,
+        resumed_from_step=resume[0] if resume else None,
+    )

@@ -1,0 +1,80 @@
+"""DPO from the cache: no reference model is ever built, TRL's loss equals our reference function,
+and the policy moves toward the chosen answers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trl.trainer.dpo_trainer as trl_dpo
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from trl import DPOConfig
+
+from rlhf.config import ModelConfig
+from rlhf.logprobs import pair_logps, tokenize_pair
+from rlhf.losses import dpo_loss
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.runner import execute_stage
+from stages.dpo import CachedRefDPOTrainer
+from test_ref_cache import CONV
+from test_sft_rm import separable_pairs
+
+
+def test_dpo_stage_never_builds_a_reference_model(tiny_cfg, monkeypatch, tmp_path):
+    prefs = separable_pairs(tmp_path / "prefs.jsonl", 64)  # 'yes ...' beats 'no ...': learnable in a few steps
+    cfg = tiny_cfg(f"data.prefs_path={prefs}", "reward_model.enabled=false", "dpo.max_steps=12", "dpo.learning_rate=2e-3")
+    for stage in ("sft", "ref_logprobs"):
+        execute_stage(cfg, stage)
+
+    def refuse(*a, **kw):
+        raise AssertionError("DPOTrainer tried to build a reference model")
+
+    loads = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def counting(cls, *a, **kw):
+        loads.append(a[0] if a else kw.get("pretrained_model_name_or_path"))
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(trl_dpo, "create_model_from_path", refuse)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(counting))
+    m = execute_stage(cfg, "dpo")
+    assert len(loads) == 1  # the policy; nothing else
+    assert m["rows"] == {"train_pairs": 64, "without_reference": 0}
+    assert m["inputs"].keys() == {"sft", "ref_logprobs"}
+    assert m["metrics"]["dpo/rewards/margins"] > 0  # chosen answers gained on rejected ones
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_trl_loss_equals_reference_function(tmp_path, loss_type):
+    path = resolve_model(ModelConfig(name="tiny"))
+    tok = load_tokenizer(path)
+    model = load_causal_lm(path, ModelConfig(name="tiny"))
+    pairs = [tokenize_pair(tok, r) for r in CONV]
+    policy = pair_logps(model, tok, pairs, max_length=64, batch_size=8)
+    # A reference that differs from the policy, so the loss is not simply log 2.
+    g = torch.Generator().manual_seed(0)
+    ref_c = policy.chosen - torch.rand(len(pairs), generator=g, dtype=torch.float64)
+    ref_r = policy.rejected + torch.rand(len(pairs), generator=g, dtype=torch.float64)
+    rows = [{**r, "ref_chosen_logps": c, "ref_rejected_logps": j} for r, c, j in zip(CONV, ref_c.tolist(), ref_r.tolist())]
+    args = DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, max_length=64, beta=0.1,
+                     loss_type=[loss_type], report_to=[], use_cpu=True, bf16=False, activation_checkpointing=False)
+    trainer = CachedRefDPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    assert trainer.ref_model is None
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    model.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(model, batch)
+    ours, _ = dpo_loss(policy.chosen, policy.rejected, ref_c, ref_r, beta=0.1, loss_type=loss_type,
+                       chosen_tokens=policy.chosen_tokens, rejected_tokens=policy.rejected_tokens)
+    assert trl_loss.item() == pytest.approx(ours.mean().item(), rel=1e-4)
+
+
+def test_trainer_refuses_an_on_the_fly_reference_pass(tmp_path):
+    path = resolve_model(ModelConfig(name="tiny"))
+    tok = load_tokenizer(path)
+    args = DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, max_length=64, report_to=[],
+                     use_cpu=True, bf16=False, activation_checkpointing=False)
+    with pytest.raises(ValueError, match="lacks cached reference columns"):
+        CachedRefDPOTrainer(model=load_causal_lm(path, ModelConfig(name="tiny")), args=args,
+                            train_dataset=Dataset.from_list(CONV), processing_class=tok)
