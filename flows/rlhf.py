@@ -69,4 +69,27 @@ def rlhf(
         summary = stage_task.with_options(name=stage, task_run_name=f"{stage}[{cfg.run.name}]")(resolved, stage)
         logger.info("%s: %s (key %s)", stage, summary["status"], summary["key"][:12])
         results.append(summary)
+    if "eval" in plan(cfg):
+        publish_leaderboard(cfg)
     return results
+
+
+def publish_leaderboard(cfg) -> None:
+    """The eval stage's leaderboard as Prefect table and markdown artifacts on the flow run."""
+    import re
+
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    from rlhf.results import SCHEMAS
+    from rlhf.store import ArtifactStore
+
+    store = ArtifactStore(cfg.storage)
+    run = cfg.run.name
+    ratings = store.read_table(store.stage_path(run, "eval", "ratings.parquet"), SCHEMAS["ratings"]).to_pylist()
+    markdown = store.fs.cat_file(store.stage_path(run, "eval", "leaderboard.md")).decode()
+    key = re.sub(r"[^a-z0-9-]", "-", f"leaderboard-{run}".lower())
+    create_table_artifact(ratings, key=key, description=f"Elo leaderboard of run {run}")
+    create_markdown_artifact(
+        f"# Leaderboard: run {run}\n\n{markdown}\n\nChart: {store.url(store.stage_path(run, 'eval', 'ratings.png'))}",
+        key=f"{key}-md", description=f"Elo leaderboard of run {run}",
+    )

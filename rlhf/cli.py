@@ -79,5 +79,58 @@ def run(
         typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
 
 
+@app.command()
+def query(
+    sql: Annotated[str, typer.Argument(help="a read-only SQL query over runs, samples, battles, ratings, metrics, accuracy_diffs")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+) -> None:
+    """Query evaluation results of every run in the artifact store with DuckDB (read-only)."""
+    if fmt not in ("table", "csv", "json"):
+        typer.echo(f"--format: must be one of table, csv, json, got {fmt!r}", err=True)
+        raise typer.Exit(2)
+    cfg, _ = _load_or_exit(config, profile, set_ or [])
+    from rlhf.results import QueryRefused
+    from rlhf.results import query as run_query
+    from rlhf.store import ArtifactStore
+
+    try:
+        table = run_query(ArtifactStore(cfg.storage), sql)
+    except QueryRefused as e:
+        typer.echo(f"query refused: {e}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as e:  # DuckDB parser/binder errors: show DuckDB's own message
+        typer.echo(f"query failed: {e}", err=True)
+        raise typer.Exit(1) from None
+    rows = table.to_pylist()
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2, default=str))
+    elif fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=table.column_names)
+        writer.writeheader()
+        writer.writerows(rows)
+        typer.echo(buf.getvalue().rstrip())
+    else:
+        typer.echo(format_table(table.column_names, rows))
+
+
+def format_table(columns: list[str], rows: list[dict]) -> str:
+    def cell(v) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else ("NULL" if v is None else str(v))
+
+    cells = [[cell(r[c]) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines)
+
+
 def main() -> None:  # pragma: no cover - console entry point alias
     sys.exit(app())

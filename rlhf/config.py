@@ -271,18 +271,32 @@ class GRPOConfig(RLOptions):
         return self.group_size
 
 
+POLICIES = ("base", "sft", "dpo", "ppo", "grpo")
+
+
 class EvalConfig(Strict):
     enabled: bool = False
     work_pool: str = "gpu"
-    policies: list[str] = Field(default_factory=lambda: ["base", "sft"])
-    anchor: str = "sft"
+    # "base" is the configured model; the others are the `model/` outputs of those stages in this run.
+    policies: list[Literal["base", "sft", "dpo", "ppo", "grpo"]] = Field(default_factory=lambda: ["base", "sft"])
+    anchor: str = "sft"  # rated 1000 on the Elo scale
     judge: Literal["verifier", "reward_model", "both"] = "verifier"
-    tie_margin: float = Field(0.0, ge=0.0)
+    tie_margin: float = Field(0.0, ge=0.0)  # reward-model judge: |r_a - r_b| <= margin is a tie
     bootstrap_rounds: int = Field(1000, ge=1)
+    prompts: int = Field(64, ge=1)  # held-out prompts (at most data.eval_size)
+    samples_per_prompt: int = Field(1, ge=1)
+    temperature: float = Field(0.0, ge=0.0)  # 0: greedy; the same sampling params and seed for every policy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1)
+    seed: int = 0
 
     @model_validator(mode="after")
     def _anchor(self) -> EvalConfig:
+        if len(set(self.policies)) < 2 or len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies: need at least two distinct policies to compare, got {self.policies}")
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise ValueError("samples_per_prompt: greedy decoding (temperature 0) gives one sample per prompt")
         if self.anchor not in self.policies:
             raise ValueError(f"anchor: must be one of eval.policies {self.policies}, got {self.anchor!r}")
         return self
@@ -317,6 +331,12 @@ class PipelineConfig(Strict):
                 f"dpo.max_length: must equal ref_logprobs.max_length ({self.ref_logprobs.max_length}) so the cached "
                 f"reference log-probs see the same truncation, got {self.dpo.max_length}"
             )
+        if self.eval.enabled:
+            for policy in self.eval.policies:
+                if policy != "base" and not self.stage(policy).enabled:
+                    raise ValueError(f"eval.policies: {policy!r} needs {policy}.enabled: true")
+            if self.eval.judge != "verifier" and not self.reward_model.enabled:
+                raise ValueError(f"eval.judge: {self.eval.judge!r} needs reward_model.enabled: true")
         if self.ppo.enabled and self.ppo.reward_source != "verifier" and not self.reward_model.enabled:
             raise ValueError(f"ppo.reward_source: {self.ppo.reward_source!r} needs reward_model.enabled: true")
         if self.grpo.enabled and self.grpo.reward_source != "verifier" and not self.reward_model.enabled:

@@ -107,3 +107,28 @@ def pair_logps(model, tokenizer, pairs: list[TokenizedPair], max_length: int, ba
         torch.cat(chosen), torch.cat(rejected), torch.cat(n_c), torch.cat(n_r),
         tok_c if per_token else None, tok_r if per_token else None,
     )
+
+
+@torch.no_grad()
+def response_logps(model, prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+                   batch_size: int = 16) -> list[list[float]]:
+    """Per-token log-probs of each response given its prompt (ragged lists out, one per response).
+
+    Right-padded batches: position t of a response is scored by the logits at the token before it.
+    """
+    out: list[list[float]] = []
+    model.eval()
+    for start in range(0, len(prompt_ids), batch_size):
+        ps, rs = prompt_ids[start : start + batch_size], response_ids[start : start + batch_size]
+        width = max(len(p) + len(r) for p, r in zip(ps, rs))
+        ids = torch.full((len(ps), width), pad_id, dtype=torch.long)
+        attn, comp = torch.zeros_like(ids), torch.zeros_like(ids)
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            attn[i, : len(p) + len(r)] = 1
+            comp[i, len(p) : len(p) + len(r)] = 1
+        dev = model.device
+        logp, mask = completion_logps(model, ids.to(dev), attn.to(dev), comp.to(dev))
+        for i, (p, r) in enumerate(zip(ps, rs)):
+            out.append(logp[i, len(p) - 1 : len(p) - 1 + len(r)].tolist())
+    return out

@@ -31,6 +31,7 @@ STAGE_MODULES = {
     "reward_model": "stages.reward_model",
     "ref_logprobs": "stages.ref_logprobs",
     "dpo": "stages.dpo",
+    "eval": "stages.eval",
 }
 DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "rollout", "dpo", "ppo", "grpo", "eval")
 # Core modules whose code is part of every stage's content key, beside the stage's own module.
@@ -72,6 +73,10 @@ def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
         return sft  # the reference is the policy DPO starts from: SFT when it runs, else the base model
     if stage == "dpo":
         return [*sft, "ref_logprobs"]
+    if stage == "eval":
+        policies = [p for p in cfg.eval.policies if p != "base"]
+        judge = ["reward_model"] if cfg.reward_model.enabled else []  # scores samples even as a metric only
+        return sorted({*policies, *sft, *judge}, key=DAG_ORDER.index)
     return []
 
 

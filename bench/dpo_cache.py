@@ -1,0 +1,93 @@
+"""DPO with our durable reference cache vs TRL DPOTrainer's default (a reference forward every step).
+
+Same model, pairs, batch and steps; each variant runs in its own fresh process so peak RSS is its own.
+  ours:     reference pass once into the cache (timed separately: the cache build cost), then
+            CachedRefDPOTrainer (no reference model in memory) for one epoch
+  trl:      DPOTrainer(precompute_ref_log_probs=False): TRL loads a reference copy and runs it each step
+Run:  .venv/bin/python bench/dpo_cache.py [--model smollm2-135m-instruct|tiny] [--pairs 64] [--batch 8]
+Prints a JSON line per variant and the ratios (ours / trl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def variant(name: str, model_name: str, n_pairs: int, batch: int, workdir: str) -> dict:
+    import torch
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    from rlhf.config import DataConfig, ModelConfig
+    from rlhf.logprobs import pair_logps, tokenize_pair
+    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.tasks import Task
+    from stages.dpo import CachedRefDPOTrainer
+
+    torch.manual_seed(0)
+    mcfg = ModelConfig(name=model_name)
+    path = resolve_model(mcfg)
+    tok = load_tokenizer(path)
+    rows = Task(DataConfig(train_size=n_pairs, eval_size=1)).preference_rows()
+    model = load_causal_lm(path, mcfg)
+    out: dict = {"variant": name, "model": model_name, "pairs": n_pairs, "batch": batch}
+    if name == "ours":
+        t0 = time.perf_counter()
+        ref = pair_logps(model, tok, [tokenize_pair(tok, r) for r in rows], max_length=128, batch_size=16)
+        out["cache_build_s"] = time.perf_counter() - t0
+        rows = [{**r, "ref_chosen_logps": c, "ref_rejected_logps": j} for r, c, j in zip(rows, ref.chosen.tolist(), ref.rejected.tolist())]
+    args = DPOConfig(
+        output_dir=workdir, max_length=128, per_device_train_batch_size=batch, num_train_epochs=1, learning_rate=5e-6,
+        precompute_ref_log_probs=(name == "ours"), report_to=[], use_cpu=True, bf16=False,
+        activation_checkpointing=False, save_strategy="no", logging_steps=1000, disable_tqdm=True, seed=0,
+    )
+    cls = CachedRefDPOTrainer if name == "ours" else DPOTrainer
+    trainer = cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    out["reference_model_in_memory"] = trainer.ref_model is not None
+    t0 = time.perf_counter()
+    trainer.train()
+    out["epoch_s"] = time.perf_counter() - t0
+    out["steps"] = trainer.state.global_step
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--pairs", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--variant", choices=["ours", "trl"], help="internal: run one variant in this process")
+    p.add_argument("--workdir", default="/tmp/rlhf-bench-dpo")
+    a = p.parse_args()
+    if a.variant:
+        print(json.dumps(variant(a.variant, a.model, a.pairs, a.batch, a.workdir)))
+        return
+    results = {}
+    for name in ("ours", "trl"):
+        proc = subprocess.run(
+            [sys.executable, __file__, "--variant", name, "--model", a.model, "--pairs", str(a.pairs),
+             "--batch", str(a.batch), "--workdir", f"{a.workdir}-{name}"],
+            capture_output=True, text=True, check=True,
+        )
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(json.dumps(results[name]))
+    o, t = results["ours"], results["trl"]
+    print(json.dumps({
+        "epoch_time_ratio_ours_over_trl": round(o["epoch_s"] / t["epoch_s"], 3),
+        "peak_rss_ratio_ours_over_trl": round(o["peak_rss_mb"] / t["peak_rss_mb"], 3),
+        "cache_build_s": round(o["cache_build_s"], 2),
+        "cache_build_plus_epoch_over_trl_epoch": round((o["cache_build_s"] + o["epoch_s"]) / t["epoch_s"], 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Evaluation: every listed policy answers the same held-out prompts; pairwise battles judged by the
+task verifier and/or the reward model; Bradley-Terry Elo with bootstrap 95% intervals.
+
+Judges: verifier (right beats wrong; both right or both wrong is a tie), reward model (higher score
+wins; within `tie_margin` is a tie). Per policy: verifier accuracy, mean reward-model score, mean
+response length, and mean log-ratio to the reference policy on the policy's own samples
+(sum_t log pi(y_t) - log pi_ref(y_t): the k1 KL estimate, Schulman 2020; with greedy decoding it is
+a divergence measure on the greedy outputs, not an unbiased KL).
+Outputs (Parquet, explicit schemas): samples, battles, ratings, metrics, accuracy_diffs, run; plus
+`leaderboard.md` and `ratings.png`. rlhf/results.py exposes them to DuckDB across runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlhf.bradley_terry import paired_accuracy_diff, rate
+from rlhf.config import EvalConfig
+from rlhf.engine import HFEngine, SamplingParams
+from rlhf.logprobs import response_logps
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
+from rlhf.results import SCHEMAS
+from rlhf.rewards import reward_model_scores
+from rlhf.runner import StageContext, StageResult
+from rlhf.tasks import Task, assistant, user
+from rlhf.training import fetch_model
+
+
+def policy_path(ctx: StageContext, policy: str) -> str:
+    return resolve_model(ctx.cfg.model) if policy == "base" else fetch_model(ctx, policy)
+
+
+def sample_policies(cfg: EvalConfig, ctx: StageContext, prompts: list[list[dict]]) -> dict[str, list]:
+    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.samples_per_prompt, cfg.seed)
+    out = {}
+    for policy in cfg.policies:
+        path = policy_path(ctx, policy)
+        tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
+        log = lambda done, total, p=policy: ctx.log.info("eval: %s generated %d/%d", p, done, total)  # noqa: E731
+        out[policy] = HFEngine(model, tok, cfg.batch_size).generate(prompts, params, on_batch=log)
+        del model
+    return out
+
+
+def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]]:
+    """Per-sample sum_t (log pi - log pi_ref) on each policy's own samples, ref = SFT (or base)."""
+    ref = "sft" if "sft" in ctx.inputs else "base"
+    path = policy_path(ctx, ref)
+    tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
+    prompt_ids = [tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"] for p in prompts]
+    out = {}
+    for policy, samples in gens.items():
+        ref_lp = response_logps(model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples],
+                                tok.pad_token_id, cfg.batch_size)
+        out[policy] = [float(sum(g.logprobs) - sum(r)) for g, r in zip(samples, ref_lp)]
+    return out
+
+
+def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]] | None:
+    if "reward_model" not in ctx.inputs:
+        return None
+    path = fetch_model(ctx, "reward_model")
+    tok = load_tokenizer(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype))
+    return {
+        policy: reward_model_scores(model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size)
+        for policy, samples in gens.items()
+    }
+
+
+def battles(cfg: EvalConfig, correct: dict[str, np.ndarray], rewards: dict[str, np.ndarray] | None, ids: list[tuple]) -> list[dict]:
+    judges = {"verifier": ["verifier"], "reward_model": ["reward_model"], "both": ["verifier", "reward_model"]}[cfg.judge]
+    rows = []
+    for judge in judges:
+        for a, b in itertools.combinations(cfg.policies, 2):
+            if judge == "verifier":
+                sa = np.where(correct[a] == correct[b], 0.5, (correct[a] > correct[b]).astype(float))
+            else:
+                d = rewards[a] - rewards[b]
+                sa = np.where(np.abs(d) <= cfg.tie_margin, 0.5, (d > 0).astype(float))
+            rows += [{"prompt_id": pid, "sample_index": s, "judge": judge, "policy_a": a, "policy_b": b, "score_a": float(x)}
+                     for (pid, s), x in zip(ids, sa)]
+    return rows
+
+
+def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
+    run_name = ctx.cfg.run.name
+    task = Task(ctx.cfg.data)
+    problems = task.eval[: cfg.prompts]
+    prompts = [[user(p.question)] for p in problems]
+    with torch.inference_mode():
+        gens = sample_policies(cfg, ctx, prompts)
+        kl = log_ratio_to_reference(ctx, cfg, prompts, gens)
+        rewards = rm_rewards(ctx, cfg, prompts, gens)
+    ids = [(problems[g.prompt_index].id, g.sample_index) for g in gens[cfg.policies[0]]]
+    scores = {p: np.array([task.score(g.text, problems[g.prompt_index]) for g in gens[p]]) for p in cfg.policies}
+    correct = {p: (s >= 1.0).astype(float) for p, s in scores.items()}
+    rm = {p: np.array(v) for p, v in rewards.items()} if rewards else None
+
+    samples = [
+        {"run": run_name, "policy": p, "prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index,
+         "prompt": problems[g.prompt_index].question, "response": g.text, "verifier_score": float(scores[p][i]),
+         "correct": bool(correct[p][i]), "rm_reward": float(rm[p][i]) if rm else None,
+         "response_tokens": len(g.token_ids), "log_ratio_to_ref": kl[p][i], "finish_reason": g.finish_reason}
+        for p in cfg.policies for i, g in enumerate(gens[p])
+    ]
+    battle_rows = [{"run": run_name, **r} for r in battles(cfg, correct, rm, ids)]
+    index = {p: i for i, p in enumerate(cfg.policies)}
+    rating_rows, metrics = [], {}
+    for judge in sorted({r["judge"] for r in battle_rows}):
+        rs = [r for r in battle_rows if r["judge"] == judge]
+        a = np.array([index[r["policy_a"]] for r in rs])
+        b = np.array([index[r["policy_b"]] for r in rs])
+        r = rate(a, b, np.array([x["score_a"] for x in rs]), cfg.policies, cfg.anchor, cfg.bootstrap_rounds, cfg.seed)
+        for i, p in enumerate(cfg.policies):
+            rating_rows.append({"run": run_name, "judge": judge, "policy": p, "elo": float(r.elo[i]),
+                                "ci_low": float(r.ci_low[i]), "ci_high": float(r.ci_high[i]),
+                                "battles": int(r.battles[i].sum()), "accuracy": float(correct[p].mean())})
+            metrics[f"eval/{judge}/elo/{p}"] = float(r.elo[i])
+        metrics[f"eval/{judge}/ci95_width_max"] = float((r.ci_high - r.ci_low).max())
+    metric_rows = []
+    for p in cfg.policies:
+        values = {"accuracy": correct[p].mean(), "mean_response_tokens": np.mean([len(g.token_ids) for g in gens[p]]),
+                  "mean_log_ratio_to_ref": np.mean(kl[p])}
+        if rm:
+            values["mean_rm_reward"] = rm[p].mean()
+        metric_rows += [{"run": run_name, "policy": p, "name": k, "value": float(v)} for k, v in values.items()]
+        metrics.update({f"eval/{k}/{p}": float(v) for k, v in values.items()})
+    diffs = []
+    for a, b in itertools.combinations(cfg.policies, 2):
+        mean, lo, hi = paired_accuracy_diff(correct[a], correct[b], cfg.bootstrap_rounds, cfg.seed)
+        diffs.append({"run": run_name, "policy_a": a, "policy_b": b, "accuracy_diff": mean, "ci_low": lo, "ci_high": hi})
+    run_row = [{"run": run_name, "profile": ctx.cfg.profile, "model": ctx.cfg.model.name,
+                "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "stage_keys": json.dumps({s: m["key"] for s, m in ctx.inputs.items()}),
+                "config": json.dumps(ctx.cfg.model_dump(mode="json"))}]
+
+    tables = {"samples": samples, "battles": battle_rows, "ratings": rating_rows, "metrics": metric_rows,
+              "accuracy_diffs": diffs, "run": run_row}
+    outputs = {}
+    for name, rows in tables.items():
+        ctx.store.write_table(ctx.path(f"{name}.parquet"), pa.Table.from_pylist(rows, schema=SCHEMAS[name]), SCHEMAS[name])
+        outputs[name] = f"{name}.parquet"
+    outputs["leaderboard"] = write_leaderboard(ctx, rating_rows)
+    outputs["chart"] = write_chart(ctx, rating_rows)
+    ctx.log.info("eval:\n%s", leaderboard_markdown(rating_rows))
+    return StageResult(outputs=outputs, rows={k: len(v) for k, v in tables.items()}, metrics=metrics)
+
+
+def leaderboard_markdown(ratings: list[dict]) -> str:
+    lines = ["| judge | policy | Elo | 95% CI | accuracy | battles |", "|---|---|---|---|---|---|"]
+    for r in sorted(ratings, key=lambda r: (r["judge"], -r["elo"])):
+        lines.append(f"| {r['judge']} | {r['policy']} | {r['elo']:.0f} | [{r['ci_low']:.0f}, {r['ci_high']:.0f}] "
+                     f"| {r['accuracy']:.3f} | {r['battles']} |")
+    return "\n".join(lines)
+
+
+def write_leaderboard(ctx: StageContext, ratings: list[dict]) -> str:
+    ctx.store.fs.pipe_file(ctx.path("leaderboard.md"), leaderboard_markdown(ratings).encode())
+    return "leaderboard.md"
+
+
+def write_chart(ctx: StageContext, ratings: list[dict]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    judges = sorted({r["judge"] for r in ratings})
+    fig, axes = plt.subplots(1, len(judges), figsize=(5 * len(judges), 3.2), squeeze=False)
+    for ax, judge in zip(axes[0], judges):
+        rs = sorted((r for r in ratings if r["judge"] == judge), key=lambda r: r["elo"])
+        y = np.arange(len(rs))
+        err = np.array([[r["elo"] - r["ci_low"] for r in rs], [r["ci_high"] - r["elo"] for r in rs]])
+        ax.errorbar([r["elo"] for r in rs], y, xerr=err, fmt="o", capsize=4)
+        ax.set_yticks(y, [r["policy"] for r in rs])
+        ax.set_xlabel("Elo (95% bootstrap CI)")
+        ax.set_title(f"judge: {judge}")
+        ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    local = ctx.workdir / "ratings.png"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(local, dpi=100)
+    plt.close(fig)
+    ctx.store.fs.put_file(str(local), ctx.path("ratings.png"))
+    return "ratings.png"

@@ -1,0 +1,83 @@
+"""Eval stage and results: battles and Elo per judge, Parquet tables with schemas, a PNG chart,
+DuckDB views that accumulate across runs (local and S3), and refusal of writing queries."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from conftest import run_cli
+from rlhf.config import EvalConfig, StorageConfig
+from rlhf.results import SCHEMAS, QueryRefused, query
+from rlhf.runner import execute_stage
+from rlhf.store import ArtifactStore
+from stages.eval import battles
+
+BASE_AND_SFT = ("reward_model.enabled=false", "ref_logprobs.enabled=false", "dpo.enabled=false",
+                "eval.policies=[base, sft]", "eval.judge=verifier")
+
+
+def test_battle_judging_by_hand():
+    cfg = EvalConfig(policies=["base", "sft", "dpo"], judge="both", tie_margin=0.5)
+    correct = {"base": np.array([0.0, 1.0]), "sft": np.array([1.0, 1.0]), "dpo": np.array([0.0, 0.0])}
+    rewards = {"base": np.array([0.0, 2.0]), "sft": np.array([0.4, 1.0]), "dpo": np.array([3.0, 0.0])}
+    rows = battles(cfg, correct, rewards, [("eval-0", 0), ("eval-1", 0)])
+    got = {(r["judge"], r["policy_a"], r["policy_b"], r["prompt_id"]): r["score_a"] for r in rows}
+    assert got[("verifier", "base", "sft", "eval-0")] == 0.0  # wrong vs right
+    assert got[("verifier", "base", "sft", "eval-1")] == 0.5  # both right: tie
+    assert got[("verifier", "sft", "dpo", "eval-0")] == 1.0
+    assert got[("verifier", "base", "dpo", "eval-0")] == 0.5  # both wrong: tie
+    assert got[("reward_model", "base", "sft", "eval-0")] == 0.5  # |0 - 0.4| <= 0.5
+    assert got[("reward_model", "base", "sft", "eval-1")] == 1.0  # 2.0 vs 1.0
+    assert got[("reward_model", "sft", "dpo", "eval-0")] == 0.0
+    assert len(rows) == 2 * 3 * 2  # judges x pairs x prompts
+
+
+def test_eval_stage_tables_chart_and_accumulating_views(tiny_cfg, tmp_path):
+    for run in ("run-a", "run-b"):
+        cfg = tiny_cfg(*BASE_AND_SFT, f"run.name={run}")
+        execute_stage(cfg, "sft")
+        m = execute_stage(cfg, "eval")
+    assert m["rows"]["samples"] == 16 and m["rows"]["battles"] == 8 and m["rows"]["ratings"] == 2
+    assert m["inputs"].keys() == {"sft"}
+    store = ArtifactStore(cfg.storage)
+    for name, schema in SCHEMAS.items():
+        store.read_table(store.stage_path("run-b", "eval", f"{name}.parquet"), schema)  # asserts the schema
+    ratings = query(store, "select run, policy, elo from ratings where policy = 'sft' order by run").to_pylist()
+    assert [r["run"] for r in ratings] == ["run-a", "run-b"] and all(r["elo"] == 1000.0 for r in ratings)
+    assert query(store, "select count(distinct run) as n from runs").to_pylist() == [{"n": 2}]
+    png = tmp_path / "chart.png"
+    png.write_bytes(store.fs.cat_file(store.stage_path("run-b", "eval", "ratings.png")))
+    with Image.open(png) as im:
+        assert im.size == (500, 320) and len(set(im.getdata())) > 10  # a drawn chart, not a blank canvas
+
+    # A run whose eval never completed (no manifest) is not visible to queries.
+    store.fs.rm(store.stage_path("run-b", "eval", "manifest.json"))
+    assert query(store, "select distinct run from ratings").to_pylist() == [{"run": "run-a"}]
+
+
+@pytest.mark.parametrize("sql", [
+    "DROP VIEW ratings", "INSERT INTO ratings VALUES (1)", "COPY (SELECT 1) TO '/tmp/x.csv'",
+    "ATTACH '/tmp/x.duckdb'", "INSTALL httpfs", "SELECT 1; DROP VIEW ratings", "CREATE TABLE t AS SELECT 1",
+])
+def test_writing_queries_are_refused(tmp_path, sql):
+    store = ArtifactStore(StorageConfig(url=str(tmp_path)))
+    with pytest.raises(QueryRefused, match="only read-only queries"):
+        query(store, sql)
+    proc = run_cli("query", sql, "--set", f"storage.url={tmp_path}")
+    assert proc.returncode == 2 and "query refused" in proc.stderr
+
+
+def test_query_reads_results_from_s3(s3_env):
+    store = ArtifactStore(StorageConfig(url=s3_env["url"]))
+    rows = [{"run": "s3run", "judge": "verifier", "policy": p, "elo": e, "ci_low": e - 10, "ci_high": e + 10,
+             "battles": 4, "accuracy": a} for p, e, a in (("base", 950.0, 0.2), ("sft", 1000.0, 0.6))]
+    store.write_table(store.stage_path("s3run", "eval", "ratings.parquet"), pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]), SCHEMAS["ratings"])
+    store.write_manifest("s3run", "eval", {"key": "k"})
+    out = query(store, "select policy, elo from ratings order by elo desc").to_pylist()
+    assert out == [{"policy": "sft", "elo": 1000.0}, {"policy": "base", "elo": 950.0}]
+    proc = run_cli("query", "select policy from ratings order by elo", "--format", "json", "--set", f"storage.url={s3_env['url']}")
+    assert proc.returncode == 0, proc.stderr
+    assert '"policy": "base"' in proc.stdout
