@@ -1,0 +1,114 @@
+"""RL maths for PPO and GRPO as small pure functions: tensors in, tensors (+ metrics) out.
+
+Shapes: B sequences, T response tokens (right-padded); `mask` [B, T] is 1 on real response tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+# ---- KL estimators (Schulman 2020, "Approximating KL divergence"), per token ------------------------
+def kl_k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """log pi - log pi_ref: unbiased for KL(pi || ref) on samples from pi, can be negative."""
+    return logp - logp_ref
+
+
+def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+    """exp(log ref - log pi) - (log ref - log pi) - 1: unbiased, >= 0, 0 iff the log-probs match
+    (DeepSeekMath eq. 4 uses it as GRPO's penalty)."""
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+
+
+def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Token rewards r_t = -beta * KL_t, plus the sequence score on the last response token
+    (Ziegler et al. 2019 eq. 2; Ouyang et al. 2022). scores: [B]; kl, mask: [B, T] -> [B, T]."""
+    rewards = -beta * kl * mask
+    last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & mask.bool()  # one True per non-empty row
+    return rewards + last * scores[:, None]
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), terminal bootstrap 0.
+
+    delta_t = r_t + gamma V_{t+1} - V_t;  A_t = delta_t + gamma lam A_{t+1};  returns = A + V.
+    Hand-worked: r [1, 0, 0, 10], V [2, 2, 2, 0], gamma 1, lam 0.95:
+      A_3 = 10;  A_2 = (0 + 0 - 2) + .95 * 10 = 7.5;  A_1 = (0 + 2 - 2) + .95 * 7.5 = 7.125;
+      A_0 = (1 + 2 - 2) + .95 * 7.125 = 7.76875
+    Padding positions (mask 0) get 0 and do not propagate.
+    """
+    b, t = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
+    next_adv = torch.zeros_like(next_value)
+    for i in reversed(range(t)):
+        m = mask[:, i]
+        delta = rewards[:, i] + gamma * next_value - values[:, i]
+        a = delta + gamma * lam * next_adv
+        adv[:, i] = a * m
+        next_value = torch.where(m.bool(), values[:, i], next_value)
+        next_adv = torch.where(m.bool(), a, next_adv)
+    return adv, (adv + values) * mask
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO outcome advantages (Shao et al. 2024, sec. 4.1.2): (r - mean_g) / (std_g + eps) within each
+    group of G samples of one prompt. std is the sample std (Bessel-corrected, n - 1), as TRL's
+    GRPOTrainer computes it. rewards: [N] ordered group by group, N = prompts x G -> [N]."""
+    r = rewards.view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+
+
+def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      clip_eps: float, clip_eps_high: float | None = None, dual_clip: float | None = None
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped objective as a loss per token [B, T] (Schulman et al. 2017, eq. 7).
+
+    ratio clipped to [1 - eps, 1 + eps_high] (DAPO clip-higher when eps_high is set). Dual clip (Ye et
+    al. 2020, eq. 5): for A < 0 the objective is floored at c * A, so the loss is at most -c * A.
+    advantages: [B, T] (or [B, 1] broadcast).
+    """
+    ratio = torch.exp(logp - logp_old)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped, clipped = ratio * advantages, torch.clamp(ratio, 1 - clip_eps, 1 + high) * advantages
+    objective = torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        objective = torch.where(advantages < 0, torch.maximum(objective, dual_clip * advantages), objective)
+    loss = -objective
+    metrics = {
+        "clip_fraction": masked_mean((clipped < unclipped).float(), mask),
+        "ratio_mean": masked_mean(ratio, mask),
+    }
+    return loss, metrics
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:
+    """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2) per token (PPO2 value clipping)."""
+    v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    return 0.5 * torch.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of the categorical distribution: [..., V] -> [...]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def adaptive_kl_beta(beta: float, kl: float, target: float, horizon: int, n_steps: int) -> float:
+    """Ziegler et al. 2019, sec. 2.2: e = clip(KL / target - 1, -0.2, 0.2); beta <- beta (1 + e n / H)."""
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return beta * (1.0 + error * n_steps / horizon)

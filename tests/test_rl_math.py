@@ -1,0 +1,123 @@
+"""RL maths: hand-worked numbers, slow loop references for the vectorised functions, invariances."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf.rl_math import (
+    adaptive_kl_beta,
+    clipped_surrogate,
+    clipped_value_loss,
+    entropy_from_logits,
+    gae,
+    group_advantages,
+    kl_k1,
+    kl_k3,
+    kl_penalized_rewards,
+)
+
+T = torch.tensor
+
+
+def test_gae_hand_worked():
+    adv, ret = gae(T([[1.0, 0, 0, 10]]), T([[2.0, 2, 2, 0]]), torch.ones(1, 4), gamma=1.0, lam=0.95)
+    assert adv[0].tolist() == pytest.approx([7.76875, 7.125, 7.5, 10.0])
+    assert ret[0].tolist() == pytest.approx([9.76875, 9.125, 9.5, 10.0])
+
+
+def gae_loop(r, v, gamma, lam):
+    """Textbook recursion on one unpadded sequence."""
+    out, nxt_a, nxt_v = [0.0] * len(r), 0.0, 0.0
+    for t in reversed(range(len(r))):
+        delta = r[t] + gamma * nxt_v - v[t]
+        nxt_a = delta + gamma * lam * nxt_a
+        out[t], nxt_v = nxt_a, v[t]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gae_matches_loop_with_padding(seed):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 5, 7
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = (torch.arange(t)[None] < lengths[:, None]).float()
+    r, v = torch.randn(b, t, generator=g, dtype=torch.float64), torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv, _ = gae(r, v, mask, gamma=0.99, lam=0.9)
+    for i in range(b):
+        n = int(lengths[i])
+        assert adv[i, :n].tolist() == pytest.approx(gae_loop(r[i, :n].tolist(), v[i, :n].tolist(), 0.99, 0.9))
+        assert (adv[i, n:] == 0).all()
+
+
+def test_group_advantages_hand_worked():
+    # mean 0.275; deviations -0.075, 0.525, -0.675, 0.225; sample var 0.7875 / 3 = 0.2625; std 0.512348
+    adv = group_advantages(T([0.2, 0.8, -0.4, 0.5]), group_size=4, eps=0.0)
+    std = math.sqrt(0.2625)
+    assert adv.tolist() == pytest.approx([-0.075 / std, 0.525 / std, -0.675 / std, 0.225 / std])
+    # Groups are independent, and a group of equal rewards has zero advantage (no NaN).
+    two = group_advantages(T([0.2, 0.8, -0.4, 0.5, 1.0, 1.0, 1.0, 1.0]), group_size=4)
+    assert two[4:].tolist() == [0.0] * 4 and torch.isfinite(two).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_group_advantages_match_loop(seed):
+    r = torch.randn(24, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    adv = group_advantages(r, group_size=6, eps=1e-4)
+    for g in range(4):
+        xs = r[g * 6 : (g + 1) * 6].tolist()
+        mean = sum(xs) / 6
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / 5)
+        assert adv[g * 6 : (g + 1) * 6].tolist() == pytest.approx([(x - mean) / (std + 1e-4) for x in xs])
+
+
+def test_kl_estimators():
+    lp = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    assert torch.all(kl_k3(lp, lp) == 0) and torch.all(kl_k1(lp, lp) == 0)
+    other = lp + torch.randn(100, generator=torch.Generator().manual_seed(1))
+    assert torch.all(kl_k3(lp, other) >= 0)
+    # k3 by hand: log pi = -1, log ref = -2 -> d = -1: e^-1 + 1 - 1 = 0.367879
+    assert kl_k3(T([-1.0]), T([-2.0])).item() == pytest.approx(math.exp(-1))
+
+
+def test_kl_penalised_rewards_by_hand():
+    kl = T([[0.5, 0.5, 9.0], [1.0, 0.0, 0.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    r = kl_penalized_rewards(T([2.0, -1.0]), kl, mask, beta=0.1)
+    assert r[0].tolist() == pytest.approx([-0.05, 2.0 - 0.05, 0.0])
+    assert r[1].tolist() == pytest.approx([-1.0 - 0.1, 0.0, 0.0])
+
+
+def test_clipped_surrogate_and_dual_clip():
+    mask = torch.ones(1, 4)
+    logp_old = torch.zeros(1, 4)
+    logp = torch.log(T([[1.5, 0.5, 3.0, 1.0]]))  # ratios 1.5, 0.5, 3.0, 1.0
+    adv = T([[1.0, 1.0, -1.0, -2.0]])
+    loss, m = clipped_surrogate(logp, logp_old, adv, mask, clip_eps=0.2)
+    # min(r A, clip(r) A): 1.2, 0.5, -3.0, -2.0 -> loss -1.2, -0.5, 3.0, 2.0
+    assert loss[0].tolist() == pytest.approx([-1.2, -0.5, 3.0, 2.0])
+    assert m["clip_fraction"].item() == pytest.approx(0.25)  # only the first token is clipped down
+    dual, _ = clipped_surrogate(logp, logp_old, adv, mask, clip_eps=0.2, dual_clip=2.0)
+    # A = -1 with ratio 3: objective -3 floored at c*A = -2 -> loss 2 = -c*A
+    assert dual[0].tolist() == pytest.approx([-1.2, -0.5, 2.0, 2.0])
+    big = torch.log(T([[50.0]]))
+    bounded, _ = clipped_surrogate(big, torch.zeros(1, 1), T([[-0.7]]), torch.ones(1, 1), 0.2, dual_clip=3.0)
+    assert bounded.item() == pytest.approx(3.0 * 0.7)  # loss never exceeds -c*A, however large the ratio
+    high, _ = clipped_surrogate(logp, logp_old, adv, mask, clip_eps=0.2, clip_eps_high=0.28)
+    assert high[0, 0].item() == pytest.approx(-1.28)
+
+
+def test_value_loss_and_entropy():
+    v, old, ret = T([3.0, 0.0]), T([1.0, 0.0]), T([0.0, 1.0])
+    # first: max((3-0)^2, (1.2-0)^2)/2 = 4.5; second: max(1, 1)/2 = 0.5
+    assert clipped_value_loss(v, old, ret, clip=0.2).tolist() == pytest.approx([4.5, 0.5])
+    uniform = torch.zeros(2, 4)
+    assert entropy_from_logits(uniform).tolist() == pytest.approx([math.log(4)] * 2)
+
+
+def test_adaptive_kl_controller():
+    assert adaptive_kl_beta(0.1, kl=12.0, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.1 * 1.02)
+    assert adaptive_kl_beta(0.1, kl=3.0, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.1 * (1 - 0.02))
+    assert adaptive_kl_beta(0.1, kl=6.0, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.1)
