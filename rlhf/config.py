@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-STAGES = ("sft", "reward_model", "ref_logprobs", "rollout", "dpo", "ppo", "grpo", "eval")
+STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "rollout", "eval")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -180,9 +180,15 @@ class RefLogprobsConfig(Strict):
 
 
 class RolloutConfig(Strict):
+    """Sampling for the rollout stage and for the RL stages' experience generation."""
+
     enabled: bool = False
     work_pool: str = "gpu"
-    engine: Literal["hf", "vllm"] = "hf"
+    policy: Literal["base", "sft", "dpo", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
+    split: Literal["train", "eval"] = "eval"
+    prompts: int = Field(64, ge=1)
+    seed: int = 0
+    engine: Literal["hf"] = "hf"  # the vLLM engine lands with its own issue
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(32, ge=1)
@@ -223,9 +229,17 @@ class RLOptions(Strict):
     learning_rate: float = Field(1e-6, gt=0.0, lt=1.0)
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0)  # Schulman et al. 2017, eq. 7
     dual_clip: float | None = Field(None, gt=1.0)  # Ye et al. 2020: bound for negative advantages
-    reward_source: Literal["verifier", "reward_model", "sum"] = "verifier"
+    # verifier: the task's rule-based check (RLVR); reward_model: the trained RM; sum: verifier + RM;
+    # function: `reward_function` ('module:function', TRL's signature (prompts, completions, **kw)).
+    reward_source: Literal["verifier", "reward_model", "sum", "function"] = "verifier"
+    reward_function: str | None = None
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    gradient_checkpointing: bool = False
     save_every: int = Field(5, ge=1)
-    max_kl: float = Field(10.0, gt=0.0)  # hard stop on runaway mean KL
+    max_kl: float = Field(10.0, gt=0.0)  # hard stop: mean per-sequence KL above this ends the stage
+    eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
+    eval_max_new_tokens: int = Field(16, ge=1)
 
     def rollouts_per_iteration(self) -> int:
         return self.prompts_per_iteration * self.samples_per_prompt()
@@ -235,6 +249,8 @@ class RLOptions(Strict):
 
     @model_validator(mode="after")
     def _minibatch(self) -> RLOptions:
+        if (self.reward_source == "function") != (self.reward_function is not None):
+            raise ValueError("reward_function: set it exactly when reward_source is 'function' ('module:function')")
         n = self.rollouts_per_iteration()
         if n % self.minibatch_size:
             raise ValueError(
@@ -337,8 +353,12 @@ class PipelineConfig(Strict):
                     raise ValueError(f"eval.policies: {policy!r} needs {policy}.enabled: true")
             if self.eval.judge != "verifier" and not self.reward_model.enabled:
                 raise ValueError(f"eval.judge: {self.eval.judge!r} needs reward_model.enabled: true")
-        if self.ppo.enabled and self.ppo.reward_source != "verifier" and not self.reward_model.enabled:
-            raise ValueError(f"ppo.reward_source: {self.ppo.reward_source!r} needs reward_model.enabled: true")
-        if self.grpo.enabled and self.grpo.reward_source != "verifier" and not self.reward_model.enabled:
-            raise ValueError(f"grpo.reward_source: {self.grpo.reward_source!r} needs reward_model.enabled: true")
+        for name in ("ppo", "grpo"):
+            rl = self.stage(name)
+            if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
+                raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
+        if self.ppo.enabled and self.ppo.critic_init == "reward_model" and not self.reward_model.enabled:
+            raise ValueError("ppo.critic_init: 'reward_model' needs reward_model.enabled: true")
+        if self.rollout.enabled and self.rollout.policy != "base" and not self.stage(self.rollout.policy).enabled:
+            raise ValueError(f"rollout.policy: {self.rollout.policy!r} needs {self.rollout.policy}.enabled: true")
         return self

@@ -31,11 +31,17 @@ STAGE_MODULES = {
     "reward_model": "stages.reward_model",
     "ref_logprobs": "stages.ref_logprobs",
     "dpo": "stages.dpo",
+    "rollout": "stages.rollout",
+    "ppo": "stages.ppo",
+    "grpo": "stages.grpo",
     "eval": "stages.eval",
 }
-DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "rollout", "dpo", "ppo", "grpo", "eval")
-# Core modules whose code is part of every stage's content key, beside the stage's own module.
-CORE_MODULES = ("rlhf/models.py", "rlhf/tasks.py", "rlhf/userdata.py", "rlhf/pairs.py", "rlhf/training.py", "rlhf/logprobs.py")
+# Shared stage code a stage runs besides its own module (part of its code version).
+STAGE_EXTRA = {"ppo": ("stages/rl.py",), "grpo": ("stages/rl.py",), "dpo": ("stages/ref_logprobs.py",)}
+DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "rollout", "eval")
+# Every rlhf/ module but the CLI is part of every stage's code version (content key): conservative,
+# since a change anywhere in the shared code may change any stage's outputs.
+NOT_CODE = {"cli.py", "__init__.py"}
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
 
@@ -73,6 +79,12 @@ def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
         return sft  # the reference is the policy DPO starts from: SFT when it runs, else the base model
     if stage == "dpo":
         return [*sft, "ref_logprobs"]
+    if stage == "rollout":
+        return [] if cfg.rollout.policy == "base" else [cfg.rollout.policy]
+    if stage in ("ppo", "grpo"):
+        rl = cfg.stage(stage)
+        rm = rl.reward_source in ("reward_model", "sum") or getattr(rl, "critic_init", "") == "reward_model"
+        return [*sft, *(["reward_model"] if rm else [])]
     if stage == "eval":
         policies = [p for p in cfg.eval.policies if p != "base"]
         judge = ["reward_model"] if cfg.reward_model.enabled else []  # scores samples even as a metric only
@@ -94,7 +106,8 @@ def plan(cfg: PipelineConfig) -> list[str]:
 def code_version(stage: str) -> str:
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for rel in (STAGE_MODULES[stage].replace(".", "/") + ".py", *CORE_MODULES):
+    core = sorted(f"rlhf/{p.name}" for p in (root / "rlhf").glob("*.py") if p.name not in NOT_CODE)
+    for rel in (STAGE_MODULES[stage].replace(".", "/") + ".py", *STAGE_EXTRA.get(stage, ()), *core):
         h.update(rel.encode())
         h.update((root / rel).read_bytes())
     return h.hexdigest()[:16]

@@ -1,0 +1,12 @@
+"""PPO for language models (Ziegler et al. 2019; Ouyang et al. 2022): KL-penalised token rewards, a
+critic, GAE, clipped policy and value losses, fixed or adaptive KL coefficient. The loop is stages/rl.py."""
+
+from __future__ import annotations
+
+from rlhf.config import PPOConfig
+from rlhf.runner import StageContext, StageResult
+from stages.rl import run_rl
+
+
+def run(cfg: PPOConfig, ctx: StageContext) -> StageResult:
+    return run_rl("ppo", cfg, ctx)

@@ -1,0 +1,356 @@
+"""One RL loop for PPO and GRPO: rollout -> reward -> logp_old, logp_ref (and values) -> advantages ->
+K epochs of clipped updates over minibatches -> experience Parquet -> checkpoint every N iterations.
+
+Algorithm differences live in the ALGORITHMS table (advantages, extra loss terms), not in branches of
+one long method. PPO (Ouyang et al. 2022 / Ziegler et al. 2019): KL-penalised token rewards, a critic
+(token-level value head on a copy of the SFT or RM backbone), GAE, clipped value loss, fixed or
+adaptive KL coefficient. GRPO (Shao et al. 2024): G samples per prompt, group-normalised outcome
+advantages, no critic, k3 KL penalty in the loss. Both: token-level loss averaging over the minibatch,
+clip (clip-higher) and optional dual clip. Every iteration's experience is a Parquet table under
+`experience/`; resume restarts after the last complete checkpoint and never rewrites earlier tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from rlhf import rl_math
+from rlhf.engine import HFEngine, SamplingParams
+from rlhf.generation import verifier_accuracy
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
+from rlhf.rewards import import_reward_function, reward_model_scores
+from rlhf.runner import StageContext, StageResult
+from rlhf.tasks import Task, assistant, user
+from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash, fetch_model, publish_model, write_metrics
+
+EXPERIENCE_SCHEMA = pa.schema([
+    pa.field("iteration", pa.int64(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int64(), nullable=False),
+    pa.field("prompt", pa.string()),
+    pa.field("response", pa.string()),
+    pa.field("response_ids", pa.list_(pa.int32())),
+    pa.field("logp_rollout", pa.list_(pa.float32())),
+    pa.field("logp_old", pa.list_(pa.float32())),
+    pa.field("logp_ref", pa.list_(pa.float32())),  # null when no reference model is used (beta 0)
+    pa.field("reward", pa.float64()),
+    pa.field("advantage", pa.float64()),  # mean over the response tokens
+    pa.field("finish_reason", pa.string()),
+])
+
+
+class RLGuardError(RuntimeError):
+    """NaN/Inf or runaway KL: the stage stops; the last complete checkpoint stays intact."""
+
+
+@dataclass
+class Batch:
+    """One iteration's experience. B = prompts x samples per prompt, P = longest prompt, T = longest response."""
+
+    input_ids: torch.Tensor  # [B, P + T] left-padded prompt | right-padded response
+    attention_mask: torch.Tensor  # [B, P + T]
+    mask: torch.Tensor  # [B, T] 1 on response tokens
+    logp_rollout: torch.Tensor  # [B, T] sampler's log-probs
+    logp_old: torch.Tensor | None = None  # [B, T] policy before this iteration's updates
+    logp_ref: torch.Tensor | None = None  # [B, T] frozen reference policy
+    values: torch.Tensor | None = None  # [B, T] critic before updates (PPO)
+    advantages: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T] (PPO)
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.mask.shape[1]
+
+
+def build_batch(prompt_ids: list[list[int]], gens, pad_id: int) -> Batch:
+    p_w, t_w = max(len(p) for p in prompt_ids), max(max(len(g.token_ids) for g in gens), 1)
+    b = len(gens)
+    ids = torch.full((b, p_w + t_w), pad_id, dtype=torch.long)
+    attn, mask, lp = torch.zeros_like(ids), torch.zeros(b, t_w), torch.zeros(b, t_w)
+    for i, (p, g) in enumerate(zip(prompt_ids, gens)):
+        n = len(g.token_ids)
+        ids[i, p_w - len(p) : p_w], attn[i, p_w - len(p) : p_w] = torch.tensor(p), 1
+        if n:
+            ids[i, p_w : p_w + n], attn[i, p_w : p_w + n], mask[i, :n] = torch.tensor(g.token_ids), 1, 1
+            lp[i, :n] = torch.tensor(g.logprobs)
+    return Batch(ids, attn, mask, lp)
+
+
+def forward(model, batch: Batch, rows, temperature: float, values: bool = False):
+    """Token log-probs (or critic values) of the response positions for the selected rows: [b, T]."""
+    ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
+    pos = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+    p_w, t_w = batch.prompt_width, batch.mask.shape[1]
+    if values:
+        return out.logits[:, p_w - 1 : p_w - 1 + t_w, 0].float()
+    logits = out.logits[:, p_w - 1 : p_w - 1 + t_w].float() / max(temperature, 1e-6)
+    targets = ids[:, p_w:]
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits
+
+
+@torch.no_grad()
+def score_all(model, batch: Batch, temperature: float, size: int, values: bool = False) -> torch.Tensor:
+    model.eval()
+    chunks = [forward(model, batch, slice(i, i + size), temperature, values) for i in range(0, len(batch.mask), size)]
+    return torch.cat([c if values else c[0] for c in chunks]) * batch.mask
+
+
+# ---- algorithm table ------------------------------------------------------------------------------
+def ppo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> None:
+    kl = rl_math.kl_k1(batch.logp_old, batch.logp_ref) if batch.logp_ref is not None else torch.zeros_like(batch.mask)
+    rewards = rl_math.kl_penalized_rewards(scores, kl, batch.mask, beta)
+    adv, batch.returns = rl_math.gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
+    batch.advantages = rl_math.whiten(adv, batch.mask)
+
+
+def grpo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> None:
+    seq = rl_math.group_advantages(scores, cfg.group_size)
+    batch.advantages = seq[:, None] * batch.mask
+
+
+def grpo_extra_loss(cfg, batch: Batch, rows, logp, mask, beta):
+    if batch.logp_ref is None or cfg.beta == 0:
+        return 0.0, {}
+    k3 = rl_math.masked_mean(rl_math.kl_k3(logp, batch.logp_ref[rows]), mask)
+    return cfg.beta * k3, {"k3": k3}
+
+
+ALGORITHMS = {
+    "ppo": {"advantages": ppo_advantages, "extra_loss": lambda *a: (0.0, {}), "critic": True},
+    "grpo": {"advantages": grpo_advantages, "extra_loss": grpo_extra_loss, "critic": False},
+}
+
+
+# ---- rewards ----------------------------------------------------------------------------------------
+def make_reward(cfg, ctx: StageContext, task: Task):
+    """Returns reward(problems, gens) -> [B] tensor, for the configured source."""
+    rm = None
+    if cfg.reward_source in ("reward_model", "sum"):
+        from transformers import AutoModelForSequenceClassification
+
+        path = fetch_model(ctx, "reward_model")
+        rm = (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype)), load_tokenizer(path))
+    fn = import_reward_function(cfg.reward_function) if cfg.reward_source == "function" else None
+
+    def reward(problems, gens) -> torch.Tensor:
+        texts = [g.text for g in gens]
+        if fn is not None:
+            out = fn(prompts=[p.question for p in problems], completions=texts,
+                     completion_ids=[g.token_ids for g in gens], answer=[p.answer for p in problems])
+            return torch.tensor([float(x) for x in out])
+        total = torch.zeros(len(gens))
+        if cfg.reward_source in ("verifier", "sum"):
+            total += torch.tensor([task.score(t, p) for t, p in zip(texts, problems)])
+        if rm is not None:
+            convs = [[user(p.question), assistant(t)] for t, p in zip(texts, problems)]
+            total += torch.tensor(reward_model_scores(rm[0], rm[1], convs))
+        return total
+
+    return reward
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+def save_checkpoint(ctx, it: int, policy, critic, tok, optimizers, state: dict) -> None:
+    local = ctx.workdir / "ckpt"
+    shutil.rmtree(local, ignore_errors=True)
+    policy.save_pretrained(local / "policy", safe_serialization=True)
+    tok.save_pretrained(local / "policy")
+    if critic is not None:
+        critic.save_pretrained(local / "critic", safe_serialization=True)
+    torch.save({k: o.state_dict() for k, o in optimizers.items()}, local / "optimizer.pt")
+    (local / "state.json").write_text(json.dumps({**state, "iteration": it}))
+    remote = ctx.path("checkpoints", f"iter-{it:06d}")
+    ctx.store.put_dir(local, remote)
+    ctx.store.fs.pipe_file(f"{remote}/.complete", b"ok")  # written last: only now is it resumable
+    for name in ctx.store.list_dirs(ctx.path("checkpoints")):
+        if name != f"iter-{it:06d}":
+            ctx.store.fs.rm(ctx.path("checkpoints", name), recursive=True)
+    ctx.log.info("%s: checkpoint after iteration %d", ctx.stage, it)
+
+
+def latest_rl_checkpoint(ctx) -> Path | None:
+    done = [n for n in ctx.store.list_dirs(ctx.path("checkpoints"))
+            if ctx.store.fs.exists(ctx.path("checkpoints", n, ".complete"))]
+    if not done:
+        return None
+    local = ctx.workdir / "resume"
+    shutil.rmtree(local, ignore_errors=True)
+    return ctx.store.get_dir(ctx.path("checkpoints", max(done)), local)
+
+
+def make_optimizer(cfg, params):
+    if cfg.optim == "adamw_bnb_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=cfg.learning_rate)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate)
+
+
+def guard(algo: str, it: int, name: str, value: float, limit: float | None = None) -> None:
+    if not math.isfinite(value):
+        raise RLGuardError(f"{algo} iteration {it}: {name} is {value}; stopping, the last complete checkpoint is kept")
+    if limit is not None and value > limit:
+        raise RLGuardError(f"{algo} iteration {it}: {name} = {value:.3f} exceeds max_kl {limit}; stopping, "
+                           "the last complete checkpoint is kept")
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
+    spec, pcfg, roll = ALGORITHMS[algo], ctx.cfg, ctx.cfg.rollout
+    init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
+    resume = latest_rl_checkpoint(ctx)
+    tok = load_tokenizer(init)
+    policy = load_causal_lm(str(resume / "policy") if resume else init, pcfg.model)
+    use_ref = (cfg.beta if algo == "grpo" else cfg.kl.beta) > 0 or (algo == "ppo" and cfg.kl.mode == "adaptive")
+    ref = load_causal_lm(init, pcfg.model).eval().requires_grad_(False) if use_ref else None
+    critic = None
+    if spec["critic"]:
+        from transformers import AutoModelForTokenClassification
+
+        base = fetch_model(ctx, "reward_model") if cfg.critic_init == "reward_model" else init
+        critic = AutoModelForTokenClassification.from_pretrained(str(resume / "critic") if resume else base, num_labels=1,
+                                                                 dtype=torch_dtype(pcfg.model.dtype))
+        critic.config.pad_token_id = tok.pad_token_id
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    optimizers = {"policy": make_optimizer(cfg, policy.parameters())}
+    if critic is not None:
+        optimizers["critic"] = make_optimizer(cfg, critic.parameters())
+    state = {"iteration": 0, "beta": cfg.beta if algo == "grpo" else cfg.kl.beta}
+    if resume:
+        for k, sd in torch.load(resume / "optimizer.pt", weights_only=True).items():
+            optimizers[k].load_state_dict(sd)
+        state = json.loads((resume / "state.json").read_text())
+        ctx.log.info("%s: resuming after iteration %d", algo, state["iteration"])
+    first = state["iteration"] + 1
+
+    task = Task(pcfg.data)
+    reward = make_reward(cfg, ctx, task)
+    engine = HFEngine(policy, tok, roll.batch_size)
+    n_samples = cfg.samples_per_prompt()
+    t_start = time.perf_counter()
+    for it in range(first, cfg.iterations + 1):
+        t0 = time.perf_counter()
+        rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
+        problems = rng.sample(task.train, cfg.prompts_per_iteration)
+        params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, n_samples, pcfg.run.seed * 7919 + it)
+        gens = engine.generate([[user(p.question)] for p in problems], params)
+        probs = [problems[g.prompt_index] for g in gens]
+        prompt_ids = [list(tok.apply_chat_template([user(p.question)], tokenize=True, add_generation_prompt=True,
+                                                   return_dict=True)["input_ids"]) for p in probs]
+        batch = build_batch(prompt_ids, gens, tok.pad_token_id)
+        scores = reward(probs, gens)
+        batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
+        if ref is not None:
+            batch.logp_ref = score_all(ref, batch, roll.temperature, cfg.minibatch_size)
+        if critic is not None:
+            batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
+        spec["advantages"](cfg, batch, scores, state["beta"])
+        kl_seq = ((rl_math.kl_k1(batch.logp_old, batch.logp_ref) * batch.mask).sum(1).mean().item()
+                  if batch.logp_ref is not None else 0.0)
+        guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
+
+        stats = update(algo, spec, cfg, it, policy, critic, optimizers, batch, state["beta"], roll.temperature)
+        if algo == "ppo" and cfg.kl.mode == "adaptive":
+            state["beta"] = rl_math.adaptive_kl_beta(state["beta"], kl_seq, cfg.kl.target, cfg.kl.horizon, len(gens))
+        tokens = int(batch.mask.sum())
+        seconds = time.perf_counter() - t0
+        metrics = {"reward_mean": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+                   "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
+                   "tokens_per_s": tokens / seconds, "seconds": seconds, **stats}
+        write_iteration(ctx, it, algo, problems, gens, probs, batch, scores, metrics)
+        eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
+        ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
+                     metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
+        if it % cfg.save_every == 0 or it == cfg.iterations:
+            save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
+        if os.environ.get(CRASH_ENV) == f"{algo}:{it}":  # test hook, as in the Trainer stages
+            raise InjectedCrash(f"{algo}: injected crash after iteration {it} ({CRASH_ENV})")
+
+    return finish(algo, cfg, ctx, policy, tok, task, first)
+
+
+def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: float, temperature: float) -> dict:
+    """K epochs over shuffled minibatches; token-level averaging within each minibatch."""
+    sums: dict[str, float] = {}
+    steps = 0
+    g = torch.Generator().manual_seed(it)
+    policy.train()
+    if critic is not None:
+        critic.train()
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(batch.mask), generator=g)
+        for start in range(0, len(order), cfg.minibatch_size):
+            rows = order[start : start + cfg.minibatch_size]
+            mask = batch.mask[rows]
+            logp, logits = forward(policy, batch, rows, temperature)
+            pg, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
+                                              cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
+            loss = rl_math.masked_mean(pg, mask)
+            extra, extra_m = spec["extra_loss"](cfg, batch, rows, logp, mask, beta)
+            loss = loss + extra
+            entropy = rl_math.masked_mean(rl_math.entropy_from_logits(logits.detach()), mask)
+            if algo == "ppo" and cfg.entropy_coef > 0:
+                loss = loss - cfg.entropy_coef * rl_math.masked_mean(rl_math.entropy_from_logits(logits), mask)
+            guard(algo, it, "policy loss", loss.item())
+            guard(algo, it, "ratio", m["ratio_mean"].item())
+            optimizers["policy"].zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            optimizers["policy"].step()
+            step = {"policy_loss": loss.item(), "entropy": entropy.item(), **{k: v.item() for k, v in {**m, **extra_m}.items()}}
+            if critic is not None:
+                v = forward(critic, batch, rows, temperature, values=True)
+                vl = rl_math.masked_mean(rl_math.clipped_value_loss(v, batch.values[rows], batch.returns[rows], cfg.value_clip), mask)
+                guard(algo, it, "value loss", vl.item())
+                optimizers["critic"].zero_grad()
+                (cfg.vf_coef * vl).backward()
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+                optimizers["critic"].step()
+                step["value_loss"] = vl.item()
+            for k, v in step.items():
+                sums[k] = sums.get(k, 0.0) + v
+            steps += 1
+    return {k: v / steps for k, v in sums.items()}
+
+
+def write_iteration(ctx, it, algo, problems, gens, probs, batch: Batch, scores, metrics) -> None:
+    def tok_list(t, i):
+        return None if t is None else t[i, : len(gens[i].token_ids)].tolist()
+
+    rows = [{
+        "iteration": it, "prompt_id": probs[i].id, "sample_index": g.sample_index, "prompt": probs[i].question,
+        "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "logp_old": tok_list(batch.logp_old, i),
+        "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]),
+        "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
+    } for i, g in enumerate(gens)]
+    ctx.store.write_table(ctx.path("experience", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(rows, schema=EXPERIENCE_SCHEMA), EXPERIENCE_SCHEMA)
+    m = [{"stage": algo, "step": it, "epoch": None, "name": k, "value": float(v)} for k, v in metrics.items()]
+    ctx.store.write_table(ctx.path("iterations", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(m, schema=METRICS_SCHEMA), METRICS_SCHEMA)
+
+
+def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
+    tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in sorted(ctx.store.fs.glob(ctx.path("iterations", "*.parquet")))]
+    table = pa.concat_tables(tables)
+    last = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == cfg.iterations}
+    first_it = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == 1}
+    metrics = {f"{algo}/{k}": v for k, v in last.items()}
+    metrics[f"{algo}/reward_mean_first"] = first_it.get("reward_mean", float("nan"))
+    held_out = task.eval[: cfg.eval_prompts]
+    if held_out:
+        metrics[f"{algo}/accuracy"] = verifier_accuracy(policy, tok, task, held_out, cfg.eval_max_new_tokens)
+        ctx.log.info("%s: policy held-out accuracy %.3f", algo, metrics[f"{algo}/accuracy"])
+    outputs = {"model": publish_model(ctx, policy, tok), "metrics": write_metrics(ctx, table), "experience": "experience/"}
+    return StageResult(outputs=outputs, rows={"iterations": cfg.iterations, "rollouts": cfg.iterations * cfg.rollouts_per_iteration()},
+                       metrics=metrics, resumed_from_step=first - 1 if first > 1 else None)

@@ -1,0 +1,48 @@
+"""Rollout: responses of one checkpoint (base, sft, dpo, ppo or grpo) to a prompt set, as Parquet.
+
+Uses the rollout engine interface (rlhf/engine.py) with the `rollout` sampling parameters, scores each
+response with the task verifier, and writes `rollouts.parquet` (prompt id, sample index, prompt,
+response, token ids, sampler log-probs, finish reason, reward).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from rlhf.config import RolloutConfig
+from rlhf.engine import HFEngine, SamplingParams
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.runner import StageContext, StageResult
+from rlhf.tasks import Task, user
+from rlhf.training import fetch_model
+
+ROLLOUT_SCHEMA = pa.schema([
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int64(), nullable=False),
+    pa.field("prompt", pa.string()),
+    pa.field("response", pa.string()),
+    pa.field("token_ids", pa.list_(pa.int32())),
+    pa.field("logprobs", pa.list_(pa.float32())),
+    pa.field("finish_reason", pa.string()),
+    pa.field("reward", pa.float64()),
+])
+
+
+def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
+    path = resolve_model(ctx.cfg.model) if cfg.policy == "base" else fetch_model(ctx, cfg.policy)
+    tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
+    task = Task(ctx.cfg.data)
+    problems = (task.train if cfg.split == "train" else task.eval)[: cfg.prompts]
+    params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.n, cfg.seed)
+    progress = lambda done, total: ctx.log.info("rollout: %d/%d samples", done, total)  # noqa: E731
+    with torch.inference_mode():
+        gens = HFEngine(model, tok, cfg.batch_size).generate([[user(p.question)] for p in problems], params, on_batch=progress)
+    rows = [{"prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index, "prompt": problems[g.prompt_index].question,
+             "response": g.text, "token_ids": g.token_ids, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
+             "reward": task.score(g.text, problems[g.prompt_index])} for g in gens]
+    ctx.store.write_table(ctx.path("rollouts.parquet"), pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), ROLLOUT_SCHEMA)
+    mean_reward = sum(r["reward"] for r in rows) / len(rows)
+    return StageResult(outputs={"rollouts": "rollouts.parquet"}, rows={"samples": len(rows)},
+                       metrics={"rollout/reward_mean": mean_reward,
+                                "rollout/stop_fraction": sum(g.finish_reason == "stop" for g in gens) / len(gens)})
