@@ -114,6 +114,14 @@ def tiny_cfg(tmp_path):
     return make
 
 
+STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "rollout", "eval")
+
+
+def only(*stages: str) -> list[str]:
+    """Overrides that enable exactly these stages (others off), for tests of one stage."""
+    return [f"{s}.enabled={'true' if s in stages else 'false'}" for s in STAGES]
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """The installed `rlhf` console command, as a user runs it."""
     exe = Path(sys.executable).parent / "rlhf"

@@ -48,19 +48,25 @@ def test_relative_storage_url_resolves_against_config_folder(tmp_path):
     [
         ("sft.learning_rat=0.1", "sft.learning_rat: unknown key; allowed: "),
         ("sft.per_device_batch_size=abc", "sft.per_device_batch_size: input should be a valid integer"),
-        ("dpo.loss_type=hinge", "dpo.loss_type: must be one of 'sigmoid' or 'ipo', got 'hinge'"),
+        ("dpo.loss_type=hinge", "dpo.loss_type: must be one of 'sigmoid', 'ipo' or 'robust', got 'hinge'"),
         ("grpo.group_size=1", "grpo.group_size: must be >= 2, got 1"),
         ("sft.learning_rate=0", "sft.learning_rate: must be > 0.0, got 0"),
-        ("grpo.minibatch_size=12", "grpo.minibatch_size: must divide the rollouts per iteration (32"),
+        ("grpo.minibatch_size=12", "grpo.minibatch_size: must divide the rollouts per iteration (8 ="),
         ("ppo.prompts_per_iteration=3", "ppo.minibatch_size: must divide the rollouts per iteration (3"),
-        ("eval.anchor=dpo", "eval.anchor: must be one of eval.policies"),
+        ("eval.anchor=ppo", "eval.anchor: must be one of eval.policies"),
         ("run.name=../escape", "run.name: invalid run name '../escape'"),
         ("run.name=/abs", "run.name: invalid run name '/abs'"),
         ("storage.url=gs://bucket/x", "storage.url: scheme 'gs' is not supported"),
         ("data.task=chain_sum", "data.task: must look like 'reasoning_gym:<name>'"),
         ("model.tiny.num_heads=3", "model.tiny.hidden_size: must be divisible by num_heads (3), got 64"),
         ("sft.enabled=false", "reward_model.init_from: 'sft' needs sft.enabled: true"),
-        ("dpo.enabled=true", "dpo.enabled: stage 'dpo' is not available in this version"),
+        ("dpo.max_length=64", "dpo.max_length: must equal ref_logprobs.max_length (128)"),
+        ("ref_logprobs.enabled=false", "dpo.enabled: DPO reads cached reference log-probs"),
+        ("eval.policies=[sft, ppo]", "eval.policies: 'ppo' needs ppo.enabled: true"),
+        ("eval.policies=[sft]", "eval.policies: need at least two distinct policies"),
+        ("grpo.reward_source=function", "grpo.reward_function: set it exactly when reward_source is 'function'"),
+        ("dpo.label_smoothing=0.1", "dpo.label_smoothing: only loss_type 'robust' uses it"),
+        ("eval.samples_per_prompt=4", "eval.samples_per_prompt: greedy decoding (temperature 0) gives one sample"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(override, expected):
@@ -98,7 +104,7 @@ def test_bad_yaml_file_names_the_file(tmp_path):
 def test_validate_prints_resolved_config_and_derived_quantities():
     proc = run_cli("validate", "--profile", "tiny", "--set", "sft.gradient_accumulation_steps=2")
     assert proc.returncode == 0, proc.stderr
-    assert "plan (DAG order): sft -> reward_model" in proc.stdout
+    assert "plan (DAG order): sft -> reward_model -> ref_logprobs -> dpo -> grpo -> eval" in proc.stdout
     assert "# sft: samples_per_optimizer_step=16, optimizer_steps=8" in proc.stdout
 
 

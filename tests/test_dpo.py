@@ -14,6 +14,7 @@ from rlhf.config import ModelConfig
 from rlhf.logprobs import pair_logps, tokenize_pair
 from rlhf.losses import dpo_loss
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from conftest import only
 from rlhf.runner import execute_stage
 from stages.dpo import CachedRefDPOTrainer
 from test_ref_cache import CONV
@@ -22,7 +23,7 @@ from test_sft_rm import separable_pairs
 
 def test_dpo_stage_never_builds_a_reference_model(tiny_cfg, monkeypatch, tmp_path):
     prefs = separable_pairs(tmp_path / "prefs.jsonl", 64)  # 'yes ...' beats 'no ...': learnable in a few steps
-    cfg = tiny_cfg(f"data.prefs_path={prefs}", "reward_model.enabled=false", "dpo.max_steps=12", "dpo.learning_rate=2e-3")
+    cfg = tiny_cfg(f"data.prefs_path={prefs}", *only("sft", "ref_logprobs", "dpo"), "dpo.max_steps=12", "dpo.learning_rate=2e-3")
     for stage in ("sft", "ref_logprobs"):
         execute_stage(cfg, stage)
 

@@ -8,15 +8,14 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from conftest import run_cli
+from conftest import only, run_cli
 from rlhf.config import EvalConfig, StorageConfig
 from rlhf.results import SCHEMAS, QueryRefused, query
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
 from stages.eval import battles
 
-BASE_AND_SFT = ("reward_model.enabled=false", "ref_logprobs.enabled=false", "dpo.enabled=false",
-                "eval.policies=[base, sft]", "eval.judge=verifier")
+BASE_AND_SFT = (*only("sft", "eval"), "eval.policies=[base, sft]", "eval.judge=verifier")
 
 
 def test_battle_judging_by_hand():

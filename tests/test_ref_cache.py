@@ -14,6 +14,7 @@ import rlhf.logprobs
 from rlhf.config import ModelConfig
 from rlhf.logprobs import pair_logps, tokenize_pair
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from conftest import only
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
 from stages.ref_logprobs import REF_LOGPS_SCHEMA, BadPairs
@@ -82,12 +83,12 @@ def count_forward_passes(monkeypatch) -> list[int]:
 
 def test_second_run_with_same_key_does_zero_forward_passes(tiny_cfg, monkeypatch):
     calls = count_forward_passes(monkeypatch)
-    first = execute_stage(tiny_cfg("sft.enabled=false", "reward_model.enabled=false", "run.name=first"), "ref_logprobs")
+    first = execute_stage(tiny_cfg(*only("ref_logprobs", "dpo"), "run.name=first"), "ref_logprobs")
     assert calls[0] == first["metrics"]["ref_logprobs/forward_batches"] == 2  # 64 pairs / batch 32
     assert first["metrics"]["ref_logprobs/cache_hit"] == 0.0
 
     calls[0] = 0
-    second = execute_stage(tiny_cfg("sft.enabled=false", "reward_model.enabled=false", "run.name=second"), "ref_logprobs")
+    second = execute_stage(tiny_cfg(*only("ref_logprobs", "dpo"), "run.name=second"), "ref_logprobs")
     assert second["status"] == "ran"  # another run: its own stage prefix, but the cache entry is shared
     assert calls[0] == 0 and second["metrics"]["ref_logprobs/forward_batches"] == 0
     assert second["metrics"]["ref_logprobs/cache_hit"] == 1.0
@@ -97,7 +98,7 @@ def test_second_run_with_same_key_does_zero_forward_passes(tiny_cfg, monkeypatch
     assert a.equals(b) and a.num_rows == 64
 
     # A different max_length is a different entry: forward passes again.
-    third = execute_stage(tiny_cfg("sft.enabled=false", "reward_model.enabled=false", "run.name=third",
+    third = execute_stage(tiny_cfg(*only("ref_logprobs", "dpo"), "run.name=third",
                                    "ref_logprobs.max_length=96", "dpo.max_length=96"), "ref_logprobs")
     assert third["metrics"]["ref_logprobs/cache_hit"] == 0.0 and calls[0] == 2
     assert third["outputs"]["cache_entry"] != first["outputs"]["cache_entry"]
@@ -109,7 +110,7 @@ def test_over_long_pairs_are_reported_by_row(tiny_cfg, tmp_path):
     ]
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("\n".join(json.dumps(r) for r in rows))
-    common = ("sft.enabled=false", "reward_model.enabled=false", f"data.prefs_path={prefs}")
+    common = (*only("ref_logprobs", "dpo"), f"data.prefs_path={prefs}")
     with pytest.raises(BadPairs, match=r"pair row-3: prompt \+ completion is \d+ tokens, over max_length 128"):
         execute_stage(tiny_cfg(*common), "ref_logprobs")
     m = execute_stage(tiny_cfg(*common, "data.on_bad_row=drop"), "ref_logprobs")

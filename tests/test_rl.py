@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import only
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
 from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
@@ -23,14 +24,13 @@ from stages.rl import EXPERIENCE_SCHEMA, RLGuardError
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns is imported by 'module:function'
 
-ONLY_RL = ("sft.enabled=false", "reward_model.enabled=false", "ref_logprobs.enabled=false", "dpo.enabled=false",
-           "eval.enabled=false", "rollout.max_new_tokens=8", "rollout.temperature=0.1")
+ONLY_RL = ("rollout.max_new_tokens=8", "rollout.temperature=0.1")
 
 
 def rl_cfg(tiny_cfg, algo: str, *extra: str):
     common = [f"{algo}.enabled=true", f"{algo}.reward_source=function", f"{algo}.reward_function=reward_fns:low_vocab_share",
               f"{algo}.learning_rate=1e-3", f"{algo}.eval_prompts=0", f"{algo}.save_every=100"]
-    return tiny_cfg(*ONLY_RL, *common, *extra)
+    return tiny_cfg(*only(algo), *ONLY_RL, *common, *extra)
 
 
 def reward_curve(cfg, algo: str) -> list[float]:
@@ -99,8 +99,7 @@ def test_nan_reward_stops_with_iteration_and_metric(tiny_cfg):
 def test_rollout_stage_writes_scored_samples(tiny_cfg):
     from stages.rollout import ROLLOUT_SCHEMA
 
-    cfg = tiny_cfg("reward_model.enabled=false", "ref_logprobs.enabled=false", "dpo.enabled=false", "grpo.enabled=false",
-                   "eval.enabled=false", "rollout.enabled=true", "rollout.policy=base", "rollout.prompts=4", "rollout.n=3",
+    cfg = tiny_cfg(*only("rollout"), "rollout.policy=base", "rollout.prompts=4", "rollout.n=3",
                    "rollout.temperature=1.0")
     m = execute_stage(cfg, "rollout")
     store = ArtifactStore(cfg.storage)

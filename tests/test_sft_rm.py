@@ -9,6 +9,7 @@ import pyarrow.compute as pc
 import pytest
 from safetensors.torch import load_file
 
+from conftest import only
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
 from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
@@ -22,7 +23,7 @@ def metric_series(cfg, stage: str, name: str) -> list[tuple[int, float]]:
 
 
 def test_sft_loss_goes_down_and_outputs_are_complete(tiny_cfg):
-    cfg = tiny_cfg("sft.max_steps=12", "reward_model.enabled=false")
+    cfg = tiny_cfg(*only("sft"), "sft.max_steps=12")
     m = execute_stage(cfg, "sft")
     assert m["status"] == "ran" and m["rows"]["train"] == 64
     losses = [v for _, v in metric_series(cfg, "sft", "loss")]
@@ -54,7 +55,7 @@ def separable_pairs(path, n: int) -> str:
 def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
     prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
     cfg = tiny_cfg(
-        f"data.prefs_path={prefs}", "sft.enabled=false", "reward_model.init_from=base",
+        f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base",
         "reward_model.max_steps=30", "reward_model.learning_rate=3e-3", "reward_model.eval_fraction=0.25",
         "reward_model.save_steps=100",
     )
@@ -65,7 +66,7 @@ def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
 
 
 def test_crash_after_checkpoint_resumes_from_it(tiny_cfg, tmp_path, monkeypatch):
-    common = ("reward_model.enabled=false", "sft.max_steps=8", "sft.save_steps=4", "sft.eval_prompts=0")
+    common = (*only("sft"), "sft.max_steps=8", "sft.save_steps=4", "sft.eval_prompts=0")
     cfg = tiny_cfg(*common)
     store = ArtifactStore(cfg.storage)
     monkeypatch.setenv(CRASH_ENV, "sft:6")
@@ -94,15 +95,15 @@ def test_crash_after_checkpoint_resumes_from_it(tiny_cfg, tmp_path, monkeypatch)
 
 
 def test_changed_key_reruns_the_stage_and_downstream_only(tiny_cfg):
-    cfg = tiny_cfg()
+    cfg = tiny_cfg(*only("sft", "reward_model"))
     first = {s: execute_stage(cfg, s) for s in ("sft", "reward_model")}
     assert [m["status"] for m in first.values()] == ["ran", "ran"]
 
-    rm_only = tiny_cfg("reward_model.learning_rate=5e-4")
+    rm_only = tiny_cfg(*only("sft", "reward_model"), "reward_model.learning_rate=5e-4")
     assert execute_stage(rm_only, "sft")["status"] == "skipped"
     assert execute_stage(rm_only, "reward_model")["status"] == "ran"
 
-    sft_changed = tiny_cfg("reward_model.learning_rate=5e-4", "sft.learning_rate=2e-3")
+    sft_changed = tiny_cfg(*only("sft", "reward_model"), "reward_model.learning_rate=5e-4", "sft.learning_rate=2e-3")
     m_sft = execute_stage(sft_changed, "sft")
     m_rm = execute_stage(sft_changed, "reward_model")
     assert m_sft["status"] == "ran" and m_sft["key"] != first["sft"]["key"]
