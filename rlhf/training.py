@@ -14,6 +14,7 @@ import os
 import posixpath
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,32 @@ def write_metrics(ctx, table: pa.Table, name: str = "metrics.parquet") -> str:
 def quiet(trainer) -> None:
     """Our progress callback logs through `logging`; the Trainer's stdout printer would duplicate it."""
     trainer.remove_callback(PrinterCallback)
+
+
+@dataclass
+class TrainerRun:
+    """The resume / checkpoint / progress wiring every Trainer stage shares (SFT, reward model, DPO)."""
+
+    ctx: object
+    out_dir: Path
+    progress: ProgressAndMetrics
+    resume: tuple[int, Path] | None
+
+    @classmethod
+    def start(cls, ctx) -> TrainerRun:
+        resume = latest_checkpoint(ctx)
+        if resume:
+            ctx.log.info("%s: resuming from checkpoint at step %d", ctx.stage, resume[0])
+        return cls(ctx, fresh_output_dir(ctx), ProgressAndMetrics(ctx.stage, ctx.log), resume)
+
+    @property
+    def callbacks(self) -> list:
+        return [self.progress, MirrorCheckpoints(self.ctx, self.out_dir)]
+
+    @property
+    def resumed_from_step(self) -> int | None:
+        return self.resume[0] if self.resume else None
+
+    def train(self, trainer):
+        quiet(trainer)
+        return trainer.train(resume_from_checkpoint=str(self.resume[1]) if self.resume else None)

@@ -22,14 +22,10 @@ from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
 from rlhf.training import (
-    MirrorCheckpoints,
-    ProgressAndMetrics,
+    TrainerRun,
     fetch_model,
-    fresh_output_dir,
-    latest_checkpoint,
     peft_config,
     publish_model,
-    quiet,
     trainer_kwargs,
     write_metrics,
 )
@@ -70,12 +66,9 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     tokenizer = load_tokenizer(init)
     model = load_causal_lm(init, pcfg.model)
 
-    resume = latest_checkpoint(ctx)
-    if resume:
-        ctx.log.info("dpo: resuming from checkpoint at step %d", resume[0])
-    out_dir = fresh_output_dir(ctx)
+    tr = TrainerRun.start(ctx)
     args = TRLDPOConfig(
-        **trainer_kwargs(cfg, out_dir, pcfg.run.seed, pcfg.model.dtype),
+        **trainer_kwargs(cfg, tr.out_dir, pcfg.run.seed, pcfg.model.dtype),
         max_length=cfg.max_length,
         truncation_mode="keep_start",
         beta=cfg.beta,
@@ -83,21 +76,19 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
         label_smoothing=cfg.label_smoothing,
         precompute_ref_log_probs=True,  # with the override above: no reference model is built or run
     )
-    progress = ProgressAndMetrics("dpo", ctx.log)
     trainer = CachedRefDPOTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(train_rows),
         processing_class=tokenizer,
         peft_config=peft_config(cfg),
-        callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
+        callbacks=tr.callbacks,
     )
     if trainer.ref_model is not None:  # guards the TRL behaviour this stage depends on
         raise RuntimeError("DPOTrainer built a reference model although cached reference log-probs were supplied")
-    quiet(trainer)
-    result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
+    result = tr.train(trainer)
     metrics = {"dpo/train_loss": float(result.training_loss), "dpo/steps": float(trainer.state.global_step)}
-    last = {r["name"]: r["value"] for r in progress.rows if r["name"].startswith("rewards/")}
+    last = {r["name"]: r["value"] for r in tr.progress.rows if r["name"].startswith("rewards/")}
     metrics.update({f"dpo/{k}": v for k, v in last.items()})
 
     trained = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
@@ -106,10 +97,10 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     if held_out:
         metrics["dpo/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("dpo: policy held-out accuracy %.3f", metrics["dpo/accuracy"])
-    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, progress.table())}
+    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
     return StageResult(
         outputs=outputs,
         rows={"train_pairs": len(train_rows), "without_reference": unmatched},
         metrics=metrics,
-        resumed_from_step=resume[0] if resume else None,
+        resumed_from_step=tr.resumed_from_step,
     )

@@ -19,12 +19,8 @@ from rlhf.models import load_tokenizer, resolve_model, torch_dtype
 from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
 from rlhf.training import (
-    quiet,
-    MirrorCheckpoints,
-    ProgressAndMetrics,
+    TrainerRun,
     fetch_model,
-    fresh_output_dir,
-    latest_checkpoint,
     peft_config,
     publish_model,
     trainer_kwargs,
@@ -54,17 +50,13 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     )
     model.config.pad_token_id = tokenizer.pad_token_id
 
-    resume = latest_checkpoint(ctx)
-    if resume:
-        ctx.log.info("reward_model: resuming from checkpoint at step %d", resume[0])
-    out_dir = fresh_output_dir(ctx)
+    tr = TrainerRun.start(ctx)
     args = RewardConfig(
-        **trainer_kwargs(cfg, out_dir, pcfg.run.seed, pcfg.model.dtype),
+        **trainer_kwargs(cfg, tr.out_dir, pcfg.run.seed, pcfg.model.dtype),
         max_length=cfg.max_length,
         center_rewards_coefficient=cfg.center_rewards_coefficient or None,
         eval_strategy="no",
     )
-    progress = ProgressAndMetrics("reward_model", ctx.log)
     trainer = RewardTrainer(
         model=model,
         args=args,
@@ -72,10 +64,9 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         eval_dataset=Dataset.from_list(eval_rows),
         processing_class=tokenizer,
         peft_config=peft_config(cfg, task_type="SEQ_CLS"),
-        callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
+        callbacks=tr.callbacks,
     )
-    quiet(trainer)
-    result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
+    result = tr.train(trainer)
     held_out = trainer.evaluate()  # also lands in the metrics table through the progress callback
     metrics = {
         "reward_model/train_loss": float(result.training_loss),
@@ -88,10 +79,10 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         "reward_model: held-out pairwise accuracy %.3f, mean margin %.3f on %d pairs",
         metrics["reward_model/eval_accuracy"], metrics["reward_model/eval_margin"], len(eval_rows),
     )
-    outputs = {"model": publish_model(ctx, trainer.model, tokenizer), "metrics": write_metrics(ctx, progress.table())}
+    outputs = {"model": publish_model(ctx, trainer.model, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
     return StageResult(
         outputs=outputs,
         rows={"train_pairs": len(train_rows), "eval_pairs": len(eval_rows), "dropped": dropped},
         metrics=metrics,
-        resumed_from_step=resume[0] if resume else None,
+        resumed_from_step=tr.resumed_from_step,
     )

@@ -18,11 +18,7 @@ from rlhf.pairs import demonstrations
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
 from rlhf.training import (
-    quiet,
-    MirrorCheckpoints,
-    ProgressAndMetrics,
-    fresh_output_dir,
-    latest_checkpoint,
+    TrainerRun,
     peft_config,
     publish_model,
     trainer_kwargs,
@@ -43,27 +39,22 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
         metrics["sft/base_accuracy"] = verifier_accuracy(model, tokenizer, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("sft: base model held-out accuracy %.3f on %d prompts", metrics["sft/base_accuracy"], len(held_out))
 
-    resume = latest_checkpoint(ctx)
-    if resume:
-        ctx.log.info("sft: resuming from checkpoint at step %d", resume[0])
-    out_dir = fresh_output_dir(ctx)
+    tr = TrainerRun.start(ctx)
     args = TRLSFTConfig(
-        **trainer_kwargs(cfg, out_dir, pcfg.run.seed, pcfg.model.dtype),
+        **trainer_kwargs(cfg, tr.out_dir, pcfg.run.seed, pcfg.model.dtype),
         max_length=cfg.max_length,
         completion_only_loss=cfg.completion_only_loss,
         packing=False,
     )
-    progress = ProgressAndMetrics("sft", ctx.log)
     trainer = SFTTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         peft_config=peft_config(cfg),
-        callbacks=[progress, MirrorCheckpoints(ctx, out_dir)],
+        callbacks=tr.callbacks,
     )
-    quiet(trainer)
-    result = trainer.train(resume_from_checkpoint=str(resume[1]) if resume else None)
+    result = tr.train(trainer)
     metrics["sft/train_loss"] = float(result.training_loss)
     metrics["sft/steps"] = float(trainer.state.global_step)
     metrics["sft/tokens_seen"] = float(trainer.state.num_input_tokens_seen or 0)
@@ -72,10 +63,10 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     if held_out:
         metrics["sft/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("sft: trained policy held-out accuracy %.3f", metrics["sft/accuracy"])
-    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, progress.table())}
+    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
     return StageResult(
         outputs=outputs,
         rows={"train": len(rows), "dropped": dropped, "eval_prompts": len(held_out)},
         metrics=metrics,
-        resumed_from_step=resume[0] if resume else None,
+        resumed_from_step=tr.resumed_from_step,
     )
