@@ -42,12 +42,50 @@ def stage_logs_to_prefect():
         root.propagate = propagate
 
 
-@task(cache_policy=NO_CACHE)
-def stage_task(config: dict, stage: str) -> dict:
+SUMMARY = ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")
+
+
+def _run_stage(config: dict, stage: str) -> dict:
     cfg = validate(config, f"resolved config of stage {stage}")
     with stage_logs_to_prefect():
         manifest = execute_stage(cfg, stage)
-    return {k: manifest[k] for k in ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")}
+    return {k: manifest[k] for k in SUMMARY}
+
+
+@task(cache_policy=NO_CACHE)
+def stage_task(config: dict, stage: str) -> dict:
+    """In-process stage (`rlhf run`)."""
+    return _run_stage(config, stage)
+
+
+@flow(name="rlhf-stage")
+def rlhf_stage(config: dict, stage: str) -> dict:
+    """One stage as its own flow run, deployed as `rlhf-stage/<stage>` on that stage's work pool."""
+    return _run_stage(config, stage)
+
+
+def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
+    """Runs `rlhf-stage/<stage>` on the stage's pool and waits; the outcome is read back from the
+    artifact store (flow results are not persisted, and the manifest is the source of truth)."""
+    from prefect.deployments import run_deployment
+
+    from rlhf.store import ArtifactStore
+
+    store = ArtifactStore(cfg.storage)
+    before = store.read_manifest(cfg.run.name, stage)
+    placement = cfg.stage(stage)
+    flow_run = run_deployment(
+        f"rlhf-stage/{stage}", parameters={"config": resolved, "stage": stage},
+        job_variables=dict(placement.job_variables), timeout=None, poll_interval=2, as_subflow=True,
+    )
+    if not flow_run.state.is_completed():
+        raise RuntimeError(
+            f"stage {stage!r} on work pool {placement.work_pool!r} ended {flow_run.state.name}: {flow_run.state.message}"
+        )
+    after = store.require_manifest(cfg.run.name, stage)
+    skipped = before is not None and before["key"] == after["key"]
+    status = "skipped" if skipped else ("resumed" if after.get("resumed_from_step") else "ran")
+    return {**{k: after.get(k) for k in SUMMARY}, "status": status}
 
 
 @flow(name="rlhf")
@@ -56,7 +94,10 @@ def rlhf(
     profile: str = "default",
     run_name: str | None = None,
     overrides: list[str] | None = None,
+    dispatch: bool = False,
 ) -> list[dict]:
+    """The pipeline. dispatch=False runs stages as tasks in this process (`rlhf run`); dispatch=True
+    (the `rlhf/full` deployment) sends each stage to the work pool its config names."""
     overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
     cfg = load_config(config_path, profile, overrides)
     # Tasks get the resolved config (a small dict), not the file path: editing pipeline.yaml during a
@@ -66,8 +107,12 @@ def rlhf(
     logger.info("run %r, profile %r, stages: %s", cfg.run.name, profile, " -> ".join(plan(cfg)))
     results = []
     for stage in plan(cfg):
-        summary = stage_task.with_options(name=stage, task_run_name=f"{stage}[{cfg.run.name}]")(resolved, stage)
-        logger.info("%s: %s (key %s)", stage, summary["status"], summary["key"][:12])
+        if dispatch:
+            summary = dispatch_stage(cfg, resolved, stage)
+        else:
+            summary = stage_task.with_options(name=stage, task_run_name=f"{stage}[{cfg.run.name}]")(resolved, stage)
+        how = f" from step {summary['resumed_from_step']}" if summary["status"] == "resumed" else ""
+        logger.info("%s: %s%s (key %s)", stage, summary["status"], how, summary["key"][:12])
         results.append(summary)
     if "eval" in plan(cfg):
         publish_leaderboard(cfg)
@@ -93,3 +138,24 @@ def publish_leaderboard(cfg) -> None:
         f"# Leaderboard: run {run}\n\n{markdown}\n\nChart: {store.url(store.stage_path(run, 'eval', 'ratings.png'))}",
         key=f"{key}-md", description=f"Elo leaderboard of run {run}",
     )
+
+
+def deploy(config: dict, config_path: str) -> None:
+    """Registers `rlhf/full` and one `rlhf-stage/<stage>` per stage, each on its configured pool.
+    Source is this checkout (a process pool runs the flow from here; no image, no network)."""
+    from pathlib import Path
+
+    from rlhf.config import STAGES
+
+    cfg = validate(config, "deploy")
+    repo = str(Path(__file__).resolve().parent.parent)
+    rlhf.from_source(source=repo, entrypoint="flows/rlhf.py:rlhf").deploy(
+        name="full", work_pool_name=cfg.run.work_pool, parameters={"config_path": config_path, "dispatch": True},
+        print_next_steps=False,
+    )
+    for stage in STAGES:
+        placement = cfg.stage(stage)
+        rlhf_stage.from_source(source=repo, entrypoint="flows/rlhf.py:rlhf_stage").deploy(
+            name=stage, work_pool_name=placement.work_pool, job_variables=dict(placement.job_variables),
+            print_next_steps=False,
+        )

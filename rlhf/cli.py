@@ -79,6 +79,35 @@ def run(
         typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
 
 
+StateOpt = Annotated[Optional[Path], typer.Option("--state-dir", help="where up/down/status keep PIDs and logs")]
+
+
+@app.command()
+def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default", set_: SetOpt = None,
+       state_dir: StateOpt = None, poll_seconds: int = 5) -> None:
+    """Start a local Prefect server, a process worker per work pool, and register the deployments."""
+    cfg, _ = _load_or_exit(config, profile, set_ or [])
+    from rlhf import services
+
+    services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, log=typer.echo)
+
+
+@app.command()
+def down(state_dir: StateOpt = None) -> None:
+    """Stop the workers, then the server, that `rlhf up` started (by their recorded PIDs)."""
+    from rlhf import services
+
+    services.down(services.state_dir(state_dir and str(state_dir)), log=typer.echo)
+
+
+@app.command()
+def status(state_dir: StateOpt = None) -> None:
+    """Show the server URL and whether each process `rlhf up` started is alive."""
+    from rlhf import services
+
+    typer.echo(json.dumps(services.status(services.state_dir(state_dir and str(state_dir))), indent=2))
+
+
 @app.command()
 def query(
     sql: Annotated[str, typer.Argument(help="a read-only SQL query over runs, samples, battles, ratings, metrics, accuracy_diffs")],

@@ -33,6 +33,7 @@ class Strict(BaseModel):
 class RunConfig(Strict):
     name: str = "default"
     seed: int = 0
+    work_pool: str = "cpu"  # where the orchestrating `rlhf/full` flow run itself goes (it only waits)
 
     @field_validator("name")
     @classmethod
@@ -115,6 +116,18 @@ class StorageConfig(Strict):
         return v
 
 
+JobVariables = dict[str, str | int | float | bool | list | dict | None]
+
+
+class Placement(Strict):
+    """Where a stage runs: a Prefect work pool and job variables for it (e.g. image and GPU requests of
+    a Kubernetes pool). Neither changes a stage's outputs, so neither is part of its content key."""
+
+    enabled: bool = True
+    work_pool: str = "gpu"
+    job_variables: JobVariables = Field(default_factory=dict)
+
+
 class LoraConfig(Strict):
     enabled: bool = False
     r: int = Field(16, ge=1)
@@ -123,11 +136,9 @@ class LoraConfig(Strict):
     target_modules: str | list[str] = "all-linear"
 
 
-class TrainerOptions(Strict):
+class TrainerOptions(Placement):
     """Options shared by the Trainer-based stages (SFT, reward model, DPO)."""
 
-    enabled: bool = True
-    work_pool: str = "gpu"
     learning_rate: float = Field(2e-5, gt=0.0, lt=1.0)
     num_epochs: float = Field(1.0, gt=0.0)
     max_steps: int = Field(-1, ge=-1)  # -1: derived from num_epochs
@@ -170,20 +181,18 @@ class RewardModelConfig(TrainerOptions):
     center_rewards_coefficient: float = Field(0.0, ge=0.0)
 
 
-class RefLogprobsConfig(Strict):
+class RefLogprobsConfig(Placement):
     enabled: bool = False
-    work_pool: str = "gpu"
     batch_size: int = Field(16, ge=1)
     # Prompt + completion tokens, as DPO's collator truncates them; must equal dpo.max_length.
     max_length: int = Field(256, ge=8)
     per_token: bool = False  # also keep per-token log-probs (list columns)
 
 
-class RolloutConfig(Strict):
+class RolloutConfig(Placement):
     """Sampling for the rollout stage and for the RL stages' experience generation."""
 
     enabled: bool = False
-    work_pool: str = "gpu"
     policy: Literal["base", "sft", "dpo", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
     split: Literal["train", "eval"] = "eval"
     prompts: int = Field(64, ge=1)
@@ -217,11 +226,10 @@ class DPOConfig(TrainerOptions):
         return self
 
 
-class RLOptions(Strict):
+class RLOptions(Placement):
     """Batch shape of one RL iteration; shared by PPO and GRPO."""
 
     enabled: bool = False
-    work_pool: str = "gpu"
     iterations: int = Field(20, ge=1)
     prompts_per_iteration: int = Field(8, ge=1)
     epochs: int = Field(1, ge=1)  # K optimisation epochs over each batch of experience
@@ -290,9 +298,8 @@ class GRPOConfig(RLOptions):
 POLICIES = ("base", "sft", "dpo", "ppo", "grpo")
 
 
-class EvalConfig(Strict):
+class EvalConfig(Placement):
     enabled: bool = False
-    work_pool: str = "gpu"
     # "base" is the configured model; the others are the `model/` outputs of those stages in this run.
     policies: list[Literal["base", "sft", "dpo", "ppo", "grpo"]] = Field(default_factory=lambda: ["base", "sft"])
     anchor: str = "sft"  # rated 1000 on the Elo scale

@@ -117,7 +117,7 @@ def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> 
     """Hash of everything that determines the stage's outputs (not where it runs, not the run name)."""
     payload = {
         "stage": stage,
-        "config": cfg.stage(stage).model_dump(mode="json", exclude={"work_pool", "enabled"}),
+        "config": cfg.stage(stage).model_dump(mode="json", exclude={"work_pool", "job_variables", "enabled"}),
         "model": model_identity(cfg.model),
         "data": cfg.data.model_dump(mode="json"),
         "seed": cfg.run.seed,

@@ -3,12 +3,22 @@ run skips every stage by content key."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import time
 
-from conftest import run_cli
+from conftest import CONFIG, REPO, run_cli
 from rlhf.loader import load_config
-from conftest import CONFIG
 from rlhf.store import ArtifactStore
+
+STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
+
+
+def readme_queries() -> list[tuple[list[str], str]]:
+    """(argv after `rlhf`, first output line) for each `$ .venv/bin/rlhf query ...` shown in the README."""
+    text = (REPO / "README.md").read_text()
+    found = re.findall(r"^\$ \.venv/bin/rlhf (query .*)\n(.*)$", text, flags=re.M)
+    return [(shlex.split(cmd), header) for cmd, header in found]
 
 
 def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
@@ -16,21 +26,31 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
     args = ("run", "--profile", "tiny", "--run-name", "flowtest", "--set", f"storage.url={store_url}")
     first = run_cli(*args)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "sft: ran" in first.stdout and "reward_model: ran" in first.stdout
+    for stage in STAGES:
+        assert f"{stage}: ran" in first.stdout, first.stdout[-3000:]
     logs = first.stdout + first.stderr
     assert "Task run 'sft[flowtest]'" in logs and "sft step" in logs and "ETA" in logs  # progress reaches Prefect logs
 
     store = ArtifactStore(load_config(CONFIG, "tiny", [f"storage.url={store_url}"]).storage)
-    keys = {s: store.require_manifest("flowtest", s)["key"] for s in ("sft", "reward_model")}
+    keys = {s: store.require_manifest("flowtest", s)["key"] for s in STAGES}
 
     t0 = time.perf_counter()
     second = run_cli(*args)
     elapsed = time.perf_counter() - t0
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "sft: skipped" in second.stdout and "reward_model: skipped" in second.stdout
+    for stage in STAGES:
+        assert f"{stage}: skipped" in second.stdout
     assert "skipped, complete with key" in second.stdout + second.stderr
     assert {s: store.require_manifest("flowtest", s)["key"] for s in keys} == keys
     print(f"fully skipped rerun: {elapsed:.1f} s")  # shown with -rP; includes the temporary API start
+
+    # The README's example queries run against this run's results and print the header shown there.
+    queries = readme_queries()
+    assert len(queries) == 3
+    for argv, header in queries:
+        proc = run_cli(*argv, "--set", f"storage.url={store_url}")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[0].split() == header.split(), (proc.stdout, header)
 
 
 def test_run_refuses_bad_config_before_any_work(tmp_path):

@@ -1,0 +1,104 @@
+"""Our GRPO iteration vs TRL GRPOTrainer: same model, prompts, G, lengths, beta and update count.
+
+Both: 8 chain_sum prompts x G=4 per iteration, 16 new tokens at temperature 1.0, beta 0.04 (a
+reference model is loaded), one optimizer step per iteration, verifier reward, `--iterations` iterations.
+Each variant runs in its own process; reported: seconds per iteration (model loading excluded) and peak
+RSS. Ours also writes its experience Parquet and checkpoints the last iteration (it does that work; TRL
+does not), so the comparison is conservative for us.
+Run: .venv/bin/python bench/grpo_vs_trl.py [--model smollm2-135m-instruct|tiny] [--iterations 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def ours(model: str, iterations: int) -> dict:
+    from rlhf.loader import load_config
+    from rlhf.runner import execute_stage
+
+    with tempfile.TemporaryDirectory() as store:
+        overrides = [f"storage.url={store}", f"model.name={model}", "run.name=bench"]
+        overrides += [f"{s}.enabled=false" for s in ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "rollout", "eval")]
+        overrides += ["grpo.enabled=true", f"grpo.iterations={iterations}", "grpo.prompts_per_iteration=8", "grpo.group_size=4",
+                      "grpo.minibatch_size=32", "grpo.epochs=1", "grpo.beta=0.04", "grpo.eval_prompts=0",
+                      f"grpo.save_every={iterations}", "rollout.max_new_tokens=16", "rollout.temperature=1.0", "rollout.batch_size=32"]
+        m = execute_stage(load_config(ROOT / "pipeline.yaml", "default", overrides), "grpo")
+    return {"seconds_per_iteration_last": m["metrics"]["grpo/seconds"], "stage_seconds": m["timings"]["seconds"]}
+
+
+def trl(model: str, iterations: int) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf.config import DataConfig, ModelConfig
+    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.tasks import Task
+
+    mcfg = ModelConfig(name=model)
+    path = resolve_model(mcfg)
+    task = Task(DataConfig())
+    by_question = {p.question: p for p in task.train}
+    rows = [{"prompt": [{"role": "user", "content": p.question}]} for p in task.train]
+
+    def verifier(prompts, completions, **kw):
+        return [task.score(c[-1]["content"], by_question[p[-1]["content"]]) for p, c in zip(prompts, completions)]
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.marks = []
+
+        def on_step_end(self, args, state, control, **kw):
+            self.marks.append(time.perf_counter())
+
+    timer = Timer()
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=32, num_generations=4, max_completion_length=16,
+                          temperature=1.0, beta=0.04, max_steps=iterations, learning_rate=5e-6, report_to=[], use_cpu=True,
+                          bf16=False, activation_checkpointing=False, save_strategy="no", logging_steps=1000, seed=0,
+                          disable_tqdm=True)
+        trainer = GRPOTrainer(model=load_causal_lm(path, mcfg), args=args, reward_funcs=verifier,
+                              train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(path), callbacks=[timer])
+        t0 = time.perf_counter()
+        trainer.train()
+    marks = [t0, *timer.marks]
+    return {"seconds_per_iteration_last": marks[-1] - marks[-2], "stage_seconds": marks[-1] - t0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--variant", choices=["ours", "trl"])
+    a = p.parse_args()
+    if a.variant:
+        out = (ours if a.variant == "ours" else trl)(a.model, a.iterations)
+        out.update(variant=a.variant, model=a.model, iterations=a.iterations,
+                   peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        print(json.dumps(out))
+        return
+    res = {}
+    for v in ("ours", "trl"):
+        proc = subprocess.run([sys.executable, __file__, "--variant", v, "--model", a.model, "--iterations", str(a.iterations)],
+                              capture_output=True, text=True, check=True)
+        res[v] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(json.dumps(res[v]))
+    print(json.dumps({
+        "time_per_iteration_ratio_ours_over_trl": round(res["ours"]["seconds_per_iteration_last"] / res["trl"]["seconds_per_iteration_last"], 3),
+        "peak_rss_ratio_ours_over_trl": round(res["ours"]["peak_rss_mb"] / res["trl"]["peak_rss_mb"], 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
