@@ -86,6 +86,13 @@ def row_problem(row: Any, kind: Kind) -> str | None:
     return None
 
 
+def shape(row: dict, kind: Kind) -> tuple:
+    """(columns used, conversational?) of a valid row: every row of one file must share it, since a
+    dataset mixing layouts or plain text with message lists cannot become one Arrow table."""
+    layout = next(cols for cols in COLUMNS[kind] if set(cols) <= row.keys())
+    return layout, isinstance(row[layout[-1]], list)
+
+
 def load_rows(
     source: str, kind: Kind, on_bad_row: Literal["fail", "drop"] = "fail", keep_index: bool = False
 ) -> tuple[list, list[str]]:
@@ -95,6 +102,10 @@ def load_rows(
     good, dropped = [], []
     for n, row in enumerate(rows, start=1):
         problem = row_problem(row, kind)
+        if problem is None and good:
+            first = shape(good[0][1] if keep_index else good[0], kind)
+            if shape(row, kind) != first:
+                problem = f"row layout {shape(row, kind)} differs from the first valid row's {first}"
         if problem is None:
             good.append((n, row) if keep_index else row)
             continue

@@ -17,16 +17,15 @@ def write_jsonl(path, rows):
 
 
 def test_good_plain_and_conversational_rows(tmp_path):
-    src = write_jsonl(
-        tmp_path / "prefs.jsonl",
-        [
-            {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
-            {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
-             "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}]},
-        ],
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}] * 2)
+    implicit = write_jsonl(
+        tmp_path / "implicit.jsonl",
+        [{"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+          "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "go away"}]}],
     )
-    rows, dropped = load_rows(src, "prefs")
-    assert len(rows) == 2 and dropped == []
+    for src, n in ((plain, 2), (implicit, 1)):
+        rows, dropped = load_rows(src, "prefs")
+        assert len(rows) == n and dropped == []
 
 
 @pytest.mark.parametrize(
@@ -38,6 +37,8 @@ def test_good_plain_and_conversational_rows(tmp_path):
         ({"prompt": "p", "chosen": [{"role": "assistant"}], "rejected": "b"}, "line 2: 'chosen' message 0 needs 'role' and 'content'"),
         ({"prompt": 3, "chosen": "a", "rejected": "b"}, "line 2: 'prompt' must be a string or a list of messages, got int"),
         ("{not json", "line 2: not valid JSON"),
+        ({"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "assistant", "content": "a"}],
+          "rejected": [{"role": "assistant", "content": "b"}]}, "line 2: row layout"),
     ],
 )
 def test_bad_row_is_reported_with_file_and_line(tmp_path, bad, message):
@@ -70,3 +71,12 @@ def test_missing_file_and_all_rows_bad(tmp_path):
     src = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "", "completion": ""}])
     with pytest.raises(DataError, match="no usable rows"):
         load_rows(src, "sft", on_bad_row="drop")
+
+
+def test_shipped_example_files_are_valid():
+    from conftest import REPO
+
+    prefs, dropped = load_rows(str(REPO / "data" / "examples" / "prefs.jsonl"), "prefs")
+    assert len(prefs) == 5 and dropped == []
+    sft, dropped = load_rows(str(REPO / "data" / "examples" / "sft.jsonl"), "sft")
+    assert len(sft) == 4 and dropped == []
