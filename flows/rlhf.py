@@ -14,7 +14,9 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf.loader import load_config, validate
+from rlhf.lock import RunLock
 from rlhf.runner import execute_stage, plan
+from rlhf.store import ArtifactStore
 
 
 class _ToRunLogger(logging.Handler):
@@ -69,8 +71,6 @@ def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
     artifact store (flow results are not persisted, and the manifest is the source of truth)."""
     from prefect.deployments import run_deployment
 
-    from rlhf.store import ArtifactStore
-
     store = ArtifactStore(cfg.storage)
     before = store.read_manifest(cfg.run.name, stage)
     placement = cfg.stage(stage)
@@ -105,6 +105,14 @@ def rlhf(
     resolved = cfg.model_dump(mode="json")
     logger = get_run_logger()
     logger.info("run %r, profile %r, stages: %s", cfg.run.name, profile, " -> ".join(plan(cfg)))
+    with RunLock(ArtifactStore(cfg.storage), cfg.run.name):  # refuses a second live run of this name
+        results = run_plan(cfg, resolved, dispatch, logger)
+    if "eval" in plan(cfg):
+        publish_leaderboard(cfg)
+    return results
+
+
+def run_plan(cfg, resolved: dict, dispatch: bool, logger) -> list[dict]:
     results = []
     for stage in plan(cfg):
         if dispatch:
@@ -114,8 +122,6 @@ def rlhf(
         how = f" from step {summary['resumed_from_step']}" if summary["status"] == "resumed" else ""
         logger.info("%s: %s%s (key %s)", stage, summary["status"], how, summary["key"][:12])
         results.append(summary)
-    if "eval" in plan(cfg):
-        publish_leaderboard(cfg)
     return results
 
 
@@ -126,7 +132,6 @@ def publish_leaderboard(cfg) -> None:
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     from rlhf.results import SCHEMAS
-    from rlhf.store import ArtifactStore
 
     store = ArtifactStore(cfg.storage)
     run = cfg.run.name

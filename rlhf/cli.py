@@ -73,7 +73,13 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.rlhf import rlhf
 
-    results = rlhf(config_path=str(config.resolve()), profile=profile, overrides=overrides)
+    from rlhf.lock import RunLocked
+
+    try:
+        results = rlhf(config_path=str(config.resolve()), profile=profile, overrides=overrides)
+    except RunLocked as e:
+        typer.echo(f"refused: {e}", err=True)
+        raise typer.Exit(3) from None
     for r in results:
         shown = {k: round(v, 4) for k, v in r["metrics"].items()}
         typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")

@@ -1,0 +1,79 @@
+"""One live run per run name: a lock object in the artifact store with an owner and a heartbeat.
+
+`<root>/<run>/_lock.json` holds {owner, host, pid, started, heartbeat}. A second launch of the same run
+name is refused while the heartbeat is fresh; a lock whose heartbeat is older than `stale_after`
+seconds (its run died without releasing it) is taken over. Object stores have no portable
+create-if-absent, so acquisition writes, waits briefly and reads back: if another owner won the race,
+we refuse. Different run names never touch each other's locks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+from rlhf.store import ArtifactStore
+
+LOCK = "_lock.json"
+
+
+class RunLocked(RuntimeError):
+    pass
+
+
+def _now() -> float:
+    return time.time()
+
+
+class RunLock:
+    def __init__(self, store: ArtifactStore, run: str, stale_after: float = 120.0, heartbeat_every: float = 20.0):
+        self.store, self.run = store, run
+        self.path = store.path(run, LOCK)
+        self.stale_after, self.heartbeat_every = stale_after, heartbeat_every
+        self.owner = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self, started: float) -> dict:
+        return {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "started": started,
+                "heartbeat": _now()}
+
+    def acquire(self) -> None:
+        current = self.store.read_json(self.path)
+        if current and current["owner"] != self.owner and _now() - current["heartbeat"] < self.stale_after:
+            since = datetime.fromtimestamp(current["started"], timezone.utc).isoformat(timespec="seconds")
+            raise RunLocked(
+                f"run {self.run!r} is already running (host {current['host']}, pid {current['pid']}, since {since}); "
+                f"pick another --run-name, or wait: a lock without heartbeat for {self.stale_after:.0f} s is taken over"
+            )
+        self.started = _now()
+        self.store.write_json(self.path, self._record(self.started))
+        time.sleep(0.2)
+        won = self.store.read_json(self.path)
+        if not won or won["owner"] != self.owner:
+            raise RunLocked(f"run {self.run!r} was claimed by another launch at the same moment")
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_every):
+            self.store.write_json(self.path, self._record(self.started))
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        current = self.store.read_json(self.path)
+        if current and current["owner"] == self.owner:
+            self.store.fs.rm(self.path)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

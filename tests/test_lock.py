@@ -1,0 +1,60 @@
+"""One live run per run name: a lock with owner and heartbeat in the store (local and S3); a stale lock
+is taken over; two real launches with the same name -> the second is refused, other names run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, only
+from rlhf.config import StorageConfig
+from rlhf.lock import RunLock, RunLocked
+from rlhf.store import ArtifactStore
+
+
+def test_same_name_refused_other_names_free_and_release(storage_url):
+    store = ArtifactStore(StorageConfig(url=storage_url))
+    with RunLock(store, "exp1", heartbeat_every=0.2):
+        with pytest.raises(RunLocked, match="run 'exp1' is already running"):
+            RunLock(store, "exp1").acquire()
+        with RunLock(store, "exp2"):
+            pass
+        time.sleep(0.5)  # heartbeats keep it fresh
+        assert store.read_json(store.path("exp1", "_lock.json"))["heartbeat"] > time.time() - 1
+    assert store.read_json(store.path("exp1", "_lock.json")) is None  # released
+    with RunLock(store, "exp1"):
+        pass
+
+
+def test_stale_lock_is_taken_over(tmp_path):
+    store = ArtifactStore(StorageConfig(url=str(tmp_path)))
+    dead = {"owner": "dead", "host": "h", "pid": 1, "started": time.time() - 1000, "heartbeat": time.time() - 1000}
+    store.write_json(store.path("exp", "_lock.json"), dead)
+    with RunLock(store, "exp", stale_after=120) as lock:
+        assert store.read_json(store.path("exp", "_lock.json"))["owner"] == lock.owner
+
+
+def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
+    exe = str(Path(sys.executable).parent / "rlhf")
+    common = ["run", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", o] for o in only("sft")), [])]
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    first = subprocess.Popen([exe, *common, "--run-name", "dup"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / "dup" / "_lock.json"
+    deadline = time.time() + 120
+    while not lock.exists():
+        assert first.poll() is None and time.time() < deadline, "the first run never took its lock"
+        time.sleep(0.2)
+    second = subprocess.run([exe, *common, "--run-name", "dup"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    other = subprocess.run([exe, *common, "--run-name", "other"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-2000:]
+    assert second.returncode == 3 and "refused: run 'dup' is already running" in second.stderr
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert json.loads((tmp_path / "dup" / "sft" / "manifest.json").read_text())["run"] == "dup"
+    assert not lock.exists()  # released at the end of the run
