@@ -104,6 +104,10 @@ class StorageConfig(Strict):
     url: str = "data/artifacts"
     endpoint_url: str | None = None
     region: str = "us-west-1"
+    # Transient storage errors (connection refused/reset, timeouts) are retried with exponential
+    # backoff this many times in total, then the operation fails naming the URL.
+    attempts: int = Field(4, ge=1)
+    backoff_seconds: float = Field(0.5, ge=0.0)
 
     @field_validator("url")
     @classmethod

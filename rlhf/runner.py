@@ -21,7 +21,7 @@ from typing import Any
 from rlhf.config import PipelineConfig
 from rlhf.loader import ConfigError
 from rlhf.models import home, model_identity
-from rlhf.store import ATTEMPT, ArtifactStore
+from rlhf.store import ATTEMPT, ArtifactStore, StorageError
 
 log = logging.getLogger("rlhf.runner")
 
@@ -167,7 +167,10 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     workdir = home() / "work" / run / f"{stage}-{key[:16]}"
     ctx = StageContext(cfg, store, stage, key, inputs, workdir, stage_log)
     started, t0 = _now(), time.perf_counter()
-    result: StageResult = module.run(cfg.stage(stage), ctx)
+    try:
+        result: StageResult = module.run(cfg.stage(stage), ctx)
+    except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
+        raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
     seconds = time.perf_counter() - t0
     manifest = {
         "schema_version": 1,

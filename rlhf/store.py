@@ -8,9 +8,11 @@ Names starting with '_' are reserved for the store itself (`_cache/`, `_attempt.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import posixpath
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,46 @@ class ArtifactMissing(Exception):
 
 class SchemaMismatch(Exception):
     pass
+
+
+class StorageError(RuntimeError):
+    """A storage operation kept failing after bounded retries."""
+
+
+# Not transient: retrying cannot help, and the callers rely on seeing them (a missing manifest is data).
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def retrying(op: str):
+    """Retries an ArtifactStore method on transient errors (OSError and connection errors that are not
+    PERMANENT), with exponential backoff, then raises StorageError naming the operation and the URL."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, path, *args, **kwargs):
+            delay = self.cfg.backoff_seconds
+            for attempt in range(1, self.cfg.attempts + 1):
+                try:
+                    return fn(self, path, *args, **kwargs)
+                except PERMANENT:
+                    raise
+                except (OSError, ConnectionError, TimeoutError) as e:
+                    last = e
+                except Exception as e:  # botocore/aiohttp connection errors are not OSErrors
+                    if not any(k in type(e).__name__ for k in ("Connect", "Timeout", "Endpoint", "ServerDisconnected")):
+                        raise
+                    last = e
+                if attempt < self.cfg.attempts:
+                    time.sleep(delay)
+                    delay *= 2
+                    self.fs.invalidate_cache()
+            target = self.url(path if isinstance(path, str) else str(path))
+            raise StorageError(f"storage {op} of {target} failed after {self.cfg.attempts} attempts: "
+                               f"{type(last).__name__}: {last}") from last
+
+        return inner
+
+    return wrap
 
 
 def filesystem(cfg: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -74,11 +116,7 @@ class ArtifactStore:
 
     # ---- manifests ---------------------------------------------------------------------------
     def read_manifest(self, run: str, stage: str) -> dict[str, Any] | None:
-        path = self.stage_path(run, stage, MANIFEST)
-        if not self.fs.exists(path):
-            return None
-        with self.fs.open(path, "rb") as f:
-            return json.loads(f.read())
+        return self.read_json(self.stage_path(run, stage, MANIFEST))
 
     def require_manifest(self, run: str, stage: str) -> dict[str, Any]:
         m = self.read_manifest(run, stage)
@@ -92,6 +130,7 @@ class ArtifactStore:
     def write_manifest(self, run: str, stage: str, manifest: dict[str, Any]) -> None:
         self.write_json(self.stage_path(run, stage, MANIFEST), manifest)
 
+    @retrying("write")
     def write_json(self, path: str, obj: Any) -> None:
         """Atomic: local files go through a temp name + rename; an S3 PUT is atomic per object."""
         data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
@@ -106,6 +145,7 @@ class ArtifactStore:
         else:
             self.fs.pipe_file(path, data)
 
+    @retrying("read")
     def read_json(self, path: str) -> Any | None:
         if not self.fs.exists(path):
             return None
@@ -122,12 +162,14 @@ class ArtifactStore:
         self.fs.invalidate_cache()
 
     # ---- tables ------------------------------------------------------------------------------
+    @retrying("write")
     def write_table(self, path: str, table: pa.Table, schema: pa.Schema) -> None:
         if not table.schema.equals(schema):
             raise SchemaMismatch(f"{path}: table schema\n{table.schema}\ndoes not match the declared schema\n{schema}")
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         pq.write_table(table, path, filesystem=self.fs)
 
+    @retrying("read")
     def read_table(self, path: str, schema: pa.Schema) -> pa.Table:
         table = pq.read_table(path, filesystem=self.fs)
         if not table.schema.equals(schema, check_metadata=False):
@@ -136,12 +178,17 @@ class ArtifactStore:
 
     # ---- folders (checkpoints, model folders) ------------------------------------------------
     def put_dir(self, local: str | Path, remote: str) -> None:
+        """Uploads file by file, each retried: a retry never restarts a large folder from scratch."""
         local = Path(local)
         for file in sorted(p for p in local.rglob("*") if p.is_file()):
-            dest = posixpath.join(remote, file.relative_to(local).as_posix())
-            self.fs.makedirs(posixpath.dirname(dest), exist_ok=True)
-            self.fs.put_file(str(file), dest)
+            self._put_file(posixpath.join(remote, file.relative_to(local).as_posix()), file)
 
+    @retrying("upload")
+    def _put_file(self, dest: str, file: Path) -> None:
+        self.fs.makedirs(posixpath.dirname(dest), exist_ok=True)
+        self.fs.put_file(str(file), dest)
+
+    @retrying("download")
     def get_dir(self, remote: str, local: str | Path) -> Path:
         local = Path(local)
         remote = remote.rstrip("/")
@@ -152,6 +199,7 @@ class ArtifactStore:
             self.fs.get_file(file, str(dest))
         return local
 
+    @retrying("list")
     def list_dirs(self, path: str) -> list[str]:
         if not self.fs.exists(path):
             return []

@@ -45,44 +45,60 @@ def _weed_binary() -> str:
     return found
 
 
-@pytest.fixture(scope="session")
-def seaweedfs(tmp_path_factory):
-    """Starts `weed server` with S3 on loopback (telemetry off); yields the endpoint URL; stops it by PID."""
-    data = tmp_path_factory.mktemp("seaweedfs")
-    ports = {name: _free_port() for name in ("master", "volume", "filer", "s3")}
+def weed_ports() -> dict[str, int]:
+    return {name: _free_port() for name in ("master", "volume", "filer", "s3")}
+
+
+def start_weed(data: Path, ports: dict[str, int]):
+    """Starts `weed server` with S3 on loopback (telemetry off); returns (process, boto3 client) once S3
+    answers. The caller stops it with stop_weed."""
+    import boto3
+
     cmd = [
         _weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         "-master.telemetry=false", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
         f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}",
         "-master.volumeSizeLimitMB=64", "-volume.max=100",
     ]
-    log = open(data / "weed.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
-    try:
-        import boto3
-
-        client = boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test", region_name="us-west-1"
-        )
-        deadline = time.time() + 60
-        while True:
-            try:
-                client.list_buckets()
-                break
-            except Exception:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"SeaweedFS did not start; see {data / 'weed.log'}") from None
-                time.sleep(0.5)
-        yield {"endpoint": endpoint, "client": client, "proc": proc}
-    finally:
-        proc.terminate()
+    log = open(data / "weed.log", "ab")
+    # Without AWS_* in its environment SeaweedFS runs without identities and accepts any key; with them
+    # it would create an admin identity from whatever a test has just put there.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    log.close()
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{ports['s3']}", aws_access_key_id="test",
+                          aws_secret_access_key="test", region_name="us-west-1")
+    deadline = time.time() + 60
+    while True:
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            client.list_buckets()
+            return proc, client
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                stop_weed(proc)
+                raise RuntimeError(f"SeaweedFS did not start; see {data / 'weed.log'}") from None
+            time.sleep(0.5)
+
+
+def stop_weed(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """One SeaweedFS S3 server on loopback for the session; stopped by PID at the end."""
+    data = tmp_path_factory.mktemp("seaweedfs")
+    ports = weed_ports()
+    proc, client = start_weed(data, ports)
+    try:
+        yield {"endpoint": f"http://127.0.0.1:{ports['s3']}", "client": client, "proc": proc}
+    finally:
+        stop_weed(proc)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pyarrow as pa
 import pytest
@@ -105,3 +106,36 @@ def test_s3_credentials_never_reach_the_printable_url(s3_env):
     store = ArtifactStore(StorageConfig(url=s3_env["url"]))
     shown = store.url(store.stage_path("r", "sft"))
     assert shown == f"{s3_env['url']}/r/sft" and "test" not in shown.replace(s3_env["bucket"], "")
+
+
+def test_storage_outage_fails_bounded_with_url_then_recovers(tmp_path, monkeypatch):
+    """A real SeaweedFS is stopped mid-use: operations fail after the configured attempts with a message
+    naming the URL (no credentials), quickly; once it is back, the same store reads what was committed."""
+    from conftest import start_weed, stop_weed, weed_ports
+    from rlhf.store import StorageError
+
+    ports = weed_ports()
+    proc, client = start_weed(tmp_path, ports)
+    try:
+        client.create_bucket(Bucket="outage", CreateBucketConfiguration={"LocationConstraint": "us-west-1"})
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+        cfg = StorageConfig(url="s3://outage/rlhf", endpoint_url=f"http://127.0.0.1:{ports['s3']}", attempts=3, backoff_seconds=0.2)
+        store = ArtifactStore(cfg)
+        store.write_manifest("r", "sft", {"key": "k1"})
+        stop_weed(proc)
+
+        t0 = time.perf_counter()
+        with pytest.raises(StorageError) as e:
+            store.write_json(store.stage_path("r", "sft", "x.json"), {"a": 1})
+        elapsed = time.perf_counter() - t0
+        msg = str(e.value)
+        assert "storage write of s3://outage/rlhf/r/sft/x.json failed after 3 attempts" in msg
+        assert "s3cr3t" not in msg and elapsed < 60
+        with pytest.raises(StorageError, match="storage read of s3://outage/rlhf/r/sft/manifest.json"):
+            store.read_manifest("r", "sft")
+
+        proc, client = start_weed(tmp_path, ports)  # same data folder: what was committed is still there
+        assert ArtifactStore(cfg).read_manifest("r", "sft") == {"key": "k1"}
+    finally:
+        stop_weed(proc)
