@@ -58,6 +58,9 @@ def start_weed(data: Path, ports: dict[str, int]):
         _weed_binary(), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         "-master.telemetry=false", f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
         f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}",
+        # The Iceberg and Lance listeners default to fixed ports (8181, 9101): off, so that two
+        # servers (the session's and a test's own) can run side by side.
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
         "-master.volumeSizeLimitMB=64", "-volume.max=100",
     ]
     log = open(data / "weed.log", "ab")
