@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from rlhf.config import ModelConfig, TinyModelConfig
-from rlhf.generation import greedy_completions
+from rlhf.engine import HFEngine, SamplingParams
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+
+
+def greedy(model, tok, prompts, max_new_tokens):
+    return [g.text for g in HFEngine(model, tok).generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens))]
 
 
 def test_tiny_model_builds_with_the_embedded_tokenizer():
@@ -16,7 +20,7 @@ def test_tiny_model_builds_with_the_embedded_tokenizer():
     assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
     assert model.config.vocab_size == len(tok) == 49152
     assert "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    out = greedy_completions(model, tok, [[{"role": "user", "content": "1 + 1 ="}]], max_new_tokens=3)
+    out = greedy(model, tok, [[{"role": "user", "content": "1 + 1 ="}]], max_new_tokens=3)
     assert len(out) == 1
     # Same config -> same folder and identical weights (init is seeded); another config -> another folder.
     assert resolve_model(ModelConfig(name="tiny")) == path
@@ -38,6 +42,6 @@ def test_embedded_default_loads_and_generates():
     assert 134_000_000 < n_params < 135_000_000
     assert model.dtype == torch.float32
     prompts = [[{"role": "user", "content": "What is 2 + 3? Answer with a number."}], [{"role": "user", "content": "Say hello."}]]
-    out = greedy_completions(model, tok, prompts, max_new_tokens=12)
+    out = greedy(model, tok, prompts, max_new_tokens=12)
     assert len(out) == 2 and all(o.strip() for o in out)
     assert "5" in out[0]
