@@ -201,7 +201,10 @@ def publish_model(ctx, model, tokenizer, name: str = "model") -> str:
 
 
 def fetch_model(ctx, stage: str, output: str = "model") -> str:
-    """Local copy of an input stage's model folder (the store may be S3)."""
+    """A local folder with an input stage's model: the store's own folder when the store is local (read
+    only, never copied), else a download into scratch (S3)."""
+    if ctx.store.is_local:
+        return ctx.input_path(stage, output)
     local = ctx.workdir / "inputs" / stage
     shutil.rmtree(local, ignore_errors=True)
     ctx.store.get_dir(ctx.input_path(stage, output), local)
