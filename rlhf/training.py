@@ -150,34 +150,39 @@ class MirrorCheckpoints(TrainerCallback):
 
     def on_save(self, args, state, control, **kw):
         step = state.global_step
-        local = self.output_dir / f"checkpoint-{step}"
-        remote = self.ctx.path(CHECKPOINTS, f"checkpoint-{step}")
-        store = self.ctx.store
-        store.put_dir(local, remote)
-        store.fs.pipe_file(posixpath.join(remote, COMPLETE), b"ok")
-        for name in store.list_dirs(self.ctx.path(CHECKPOINTS)):
-            if name != f"checkpoint-{step}":
-                store.fs.rm(self.ctx.path(CHECKPOINTS, name), recursive=True)
-        self.ctx.log.info("%s: checkpoint at step %d saved to %s", self.ctx.stage, step, store.url(remote))
+        remote = store_checkpoint(self.ctx, self.output_dir / f"checkpoint-{step}", f"checkpoint-{step}")
+        self.ctx.log.info("%s: checkpoint at step %d saved to %s", self.ctx.stage, step, self.ctx.store.url(remote))
 
     def on_step_end(self, args, state, control, **kw):
         if self.crash_at is not None and state.global_step == self.crash_at:
             raise InjectedCrash(f"{self.ctx.stage}: injected crash at step {state.global_step} ({CRASH_ENV})")
 
 
-def latest_checkpoint(ctx) -> tuple[int, Path] | None:
-    """Downloads the newest complete checkpoint of this stage into scratch; None when there is none."""
+def store_checkpoint(ctx, local: Path, name: str) -> str:
+    """Uploads a local checkpoint folder as `checkpoints/<name>`, writes the marker last (only then is
+    it resumable), and prunes every other checkpoint of the stage. Returns the remote path."""
     store = ctx.store
-    steps = []
-    for name in store.list_dirs(ctx.path(CHECKPOINTS)):
-        if name.startswith("checkpoint-") and store.fs.exists(ctx.path(CHECKPOINTS, name, COMPLETE)):
-            steps.append(int(name.split("-", 1)[1]))
-    if not steps:
+    remote = ctx.path(CHECKPOINTS, name)
+    store.put_dir(local, remote)
+    store.fs.pipe_file(posixpath.join(remote, COMPLETE), b"ok")
+    for other in store.list_dirs(ctx.path(CHECKPOINTS)):
+        if other != name:
+            store.fs.rm(ctx.path(CHECKPOINTS, other), recursive=True)
+    return remote
+
+
+def latest_checkpoint(ctx) -> tuple[int, Path] | None:
+    """Downloads the newest complete checkpoint of this stage into scratch; None when there is none.
+    Names end in their step or iteration number (`checkpoint-12`, `iter-000003`)."""
+    store = ctx.store
+    done = {int(name.rsplit("-", 1)[1]): name for name in store.list_dirs(ctx.path(CHECKPOINTS))
+            if store.fs.exists(ctx.path(CHECKPOINTS, name, COMPLETE))}
+    if not done:
         return None
-    step = max(steps)
-    local = ctx.workdir / "resume" / f"checkpoint-{step}"
+    step = max(done)
+    local = ctx.workdir / "resume" / done[step]
     shutil.rmtree(local, ignore_errors=True)
-    store.get_dir(ctx.path(CHECKPOINTS, f"checkpoint-{step}"), local)
+    store.get_dir(ctx.path(CHECKPOINTS, done[step]), local)
     return step, local
 
 

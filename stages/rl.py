@@ -31,7 +31,16 @@ from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dty
 from rlhf.rewards import import_reward_function, reward_model_scores
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task, assistant, user
-from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash, fetch_model, publish_model, write_metrics
+from rlhf.training import (
+    CRASH_ENV,
+    METRICS_SCHEMA,
+    InjectedCrash,
+    fetch_model,
+    latest_checkpoint,
+    publish_model,
+    store_checkpoint,
+    write_metrics,
+)
 
 EXPERIENCE_SCHEMA = pa.schema([
     pa.field("iteration", pa.int64(), nullable=False),
@@ -170,23 +179,8 @@ def save_checkpoint(ctx, it: int, policy, critic, tok, optimizers, state: dict) 
         critic.save_pretrained(local / "critic", safe_serialization=True)
     torch.save({k: o.state_dict() for k, o in optimizers.items()}, local / "optimizer.pt")
     (local / "state.json").write_text(json.dumps({**state, "iteration": it}))
-    remote = ctx.path("checkpoints", f"iter-{it:06d}")
-    ctx.store.put_dir(local, remote)
-    ctx.store.fs.pipe_file(f"{remote}/.complete", b"ok")  # written last: only now is it resumable
-    for name in ctx.store.list_dirs(ctx.path("checkpoints")):
-        if name != f"iter-{it:06d}":
-            ctx.store.fs.rm(ctx.path("checkpoints", name), recursive=True)
+    store_checkpoint(ctx, local, f"iter-{it:06d}")
     ctx.log.info("%s: checkpoint after iteration %d", ctx.stage, it)
-
-
-def latest_rl_checkpoint(ctx) -> Path | None:
-    done = [n for n in ctx.store.list_dirs(ctx.path("checkpoints"))
-            if ctx.store.fs.exists(ctx.path("checkpoints", n, ".complete"))]
-    if not done:
-        return None
-    local = ctx.workdir / "resume"
-    shutil.rmtree(local, ignore_errors=True)
-    return ctx.store.get_dir(ctx.path("checkpoints", max(done)), local)
 
 
 def make_optimizer(cfg, params):
@@ -209,7 +203,8 @@ def guard(algo: str, it: int, name: str, value: float, limit: float | None = Non
 def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     spec, pcfg, roll = ALGORITHMS[algo], ctx.cfg, ctx.cfg.rollout
     init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
-    resume = latest_rl_checkpoint(ctx)
+    found = latest_checkpoint(ctx)
+    resume = found[1] if found else None
     tok = load_tokenizer(init)
     policy = load_causal_lm(str(resume / "policy") if resume else init, pcfg.model)
     use_ref = (cfg.beta if algo == "grpo" else cfg.kl.beta) > 0 or (algo == "ppo" and cfg.kl.mode == "adaptive")
