@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from side_by_side import cache_ratios, run_variants  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 
 def variant(name: str, model_name: str, n_pairs: int, batch: int, workdir: str) -> dict:
@@ -69,24 +69,11 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/rlhf-bench-dpo")
     a = p.parse_args()
     if a.variant:
-        print(json.dumps(variant(a.variant, a.model, a.pairs, a.batch, a.workdir)))
+        print(json.dumps(variant(a.variant, a.model, a.pairs, a.batch, f"{a.workdir}-{a.variant}")))
         return
-    results = {}
-    for name in ("ours", "trl"):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--variant", name, "--model", a.model, "--pairs", str(a.pairs),
-             "--batch", str(a.batch), "--workdir", f"{a.workdir}-{name}"],
-            capture_output=True, text=True, check=True,
-        )
-        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(json.dumps(results[name]))
-    o, t = results["ours"], results["trl"]
-    print(json.dumps({
-        "epoch_time_ratio_ours_over_trl": round(o["epoch_s"] / t["epoch_s"], 3),
-        "peak_rss_ratio_ours_over_trl": round(o["peak_rss_mb"] / t["peak_rss_mb"], 3),
-        "cache_build_s": round(o["cache_build_s"], 2),
-        "cache_build_plus_epoch_over_trl_epoch": round((o["cache_build_s"] + o["epoch_s"]) / t["epoch_s"], 3),
-    }))
+    results = run_variants(__file__, ["--model", a.model, "--pairs", str(a.pairs), "--batch", str(a.batch),
+                                      "--workdir", a.workdir])
+    print(json.dumps(cache_ratios(results["ours"], results["trl"])))
 
 
 if __name__ == "__main__":

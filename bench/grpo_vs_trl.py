@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from side_by_side import run_variants  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 
 
 def ours(model: str, iterations: int) -> dict:
@@ -88,12 +88,7 @@ def main() -> None:
                    peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         print(json.dumps(out))
         return
-    res = {}
-    for v in ("ours", "trl"):
-        proc = subprocess.run([sys.executable, __file__, "--variant", v, "--model", a.model, "--iterations", str(a.iterations)],
-                              capture_output=True, text=True, check=True)
-        res[v] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(json.dumps(res[v]))
+    res = run_variants(__file__, ["--model", a.model, "--iterations", str(a.iterations)])
     print(json.dumps({
         "time_per_iteration_ratio_ours_over_trl": round(res["ours"]["seconds_per_iteration_last"] / res["trl"]["seconds_per_iteration_last"], 3),
         "peak_rss_ratio_ours_over_trl": round(res["ours"]["peak_rss_mb"] / res["trl"]["peak_rss_mb"], 3),

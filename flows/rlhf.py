@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf import preflight, progress
 from rlhf.loader import load_config, validate
 from rlhf.lock import RunLock
 from rlhf.runner import execute_stage, plan
@@ -47,9 +48,31 @@ def stage_logs_to_prefect():
 SUMMARY = ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")
 
 
+class ProgressArtifact:
+    """Keeps one Prefect progress artifact per stage run up to date (at most every few seconds), so the
+    UI shows how far the stage is; fed by rlhf.progress, which the stage loops report to."""
+
+    def __init__(self, min_interval: float = 3.0):
+        self.id, self.last, self.min_interval = None, 0.0, min_interval
+
+    def __call__(self, stage: str, fraction: float) -> None:
+        import time
+
+        from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+        now = time.monotonic()
+        if self.id is None:
+            self.id = create_progress_artifact(progress=100 * fraction, description=f"stage {stage}")
+        elif fraction >= 1.0 or now - self.last >= self.min_interval:
+            update_progress_artifact(artifact_id=self.id, progress=100 * fraction)
+        else:
+            return
+        self.last = now
+
+
 def _run_stage(config: dict, stage: str) -> dict:
     cfg = validate(config, f"resolved config of stage {stage}")
-    with stage_logs_to_prefect():
+    with stage_logs_to_prefect(), progress.listening(ProgressArtifact()):
         manifest = execute_stage(cfg, stage)
     return {k: manifest[k] for k in SUMMARY}
 
@@ -78,7 +101,7 @@ def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
         f"rlhf-stage/{stage}", parameters={"config": resolved, "stage": stage},
         job_variables=dict(placement.job_variables), timeout=None, poll_interval=2, as_subflow=True,
     )
-    if not flow_run.state.is_completed():
+    if not flow_run.state.is_completed():  # Crashed too: a lost worker (see ensure_crash_detection)
         raise RuntimeError(
             f"stage {stage!r} on work pool {placement.work_pool!r} ended {flow_run.state.name}: {flow_run.state.message}"
         )
@@ -105,10 +128,18 @@ def rlhf(
     resolved = cfg.model_dump(mode="json")
     logger = get_run_logger()
     logger.info("run %r, profile %r, stages: %s", cfg.run.name, profile, " -> ".join(plan(cfg)))
+    for line in preflight.check_data(cfg):  # a bad row fails the run here, before any stage starts
+        logger.info("preflight: %s", line)
+    for line in preflight.report(cfg, ArtifactStore(cfg.storage)):
+        if line.startswith("WARNING "):
+            logger.warning("preflight: %s", line.removeprefix("WARNING "))
+        else:
+            logger.info("preflight: %s", line)
     with RunLock(ArtifactStore(cfg.storage), cfg.run.name):  # refuses a second live run of this name
         results = run_plan(cfg, resolved, dispatch, logger)
     if "eval" in plan(cfg):
         publish_leaderboard(cfg)
+    publish_report(cfg)
     return results
 
 
@@ -145,7 +176,72 @@ def publish_leaderboard(cfg) -> None:
     )
 
 
-def deploy(config: dict, config_path: str) -> None:
+CRASH_AUTOMATION = "rlhf: crash flow runs whose heartbeat stopped"
+
+
+def crash_window(heartbeat_seconds: int) -> int:
+    """Seconds without a heartbeat before a run counts as lost: two missed beats plus slack, so one late
+    beat on a busy machine never crashes a live run."""
+    return 2 * heartbeat_seconds + 15
+
+
+def ensure_crash_detection(heartbeat_seconds: int) -> None:
+    """A SIGKILLed worker or a lost node leaves its flow run Running forever, and `rlhf/full` waiting on
+    it. Prefect's own recipe (docs: "detect zombie flows"): deployment runs send a heartbeat event every
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (set on the workers by `rlhf up`), and this proactive
+    automation marks a run Crashed when neither a heartbeat nor a final state follows in time. The
+    parent's run_deployment then returns, and the pipeline run fails (and can be rerun or retried)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    try:
+        Automation.read(name=CRASH_AUTOMATION).delete()  # upsert: the window follows the heartbeat setting
+    except ValueError:
+        pass
+    window = crash_window(heartbeat_seconds)
+    final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    Automation(
+        name=CRASH_AUTOMATION,
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *final},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=window),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {window} s: its worker or node was lost")],
+    ).create()
+
+
+def publish_report(cfg) -> None:
+    """The run report (rlhf/report.py) into the store at `<run>/_report/`, and as a markdown artifact."""
+    import re
+    import tempfile
+    from pathlib import Path
+
+    from prefect.artifacts import create_markdown_artifact
+
+    from rlhf.report import build
+
+    store = ArtifactStore(cfg.storage)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build(store, cfg.run.name, Path(tmp))
+        store.put_dir(Path(tmp), store.path(cfg.run.name, "_report"))
+        markdown = path.read_text()
+    where = store.url(store.path(cfg.run.name, "_report"))
+    key = re.sub(r"[^a-z0-9-]", "-", f"report-{cfg.run.name}".lower())
+    create_markdown_artifact(f"{markdown}\n\nPlots: {where}", key=key, description=f"report of run {cfg.run.name}")
+
+
+def deploy(config: dict, config_path: str, heartbeat_seconds: int = 30, source: str | None = None) -> None:
     """Registers `rlhf/full` and one `rlhf-stage/<stage>` per stage, each on its configured pool.
     Source is this checkout (a process pool runs the flow from here; no image, no network)."""
     from pathlib import Path
@@ -153,7 +249,7 @@ def deploy(config: dict, config_path: str) -> None:
     from rlhf.config import STAGES
 
     cfg = validate(config, "deploy")
-    repo = str(Path(__file__).resolve().parent.parent)
+    repo = source or str(Path(__file__).resolve().parent.parent)  # a path the workers see, or a git URL
     rlhf.from_source(source=repo, entrypoint="flows/rlhf.py:rlhf").deploy(
         name="full", work_pool_name=cfg.run.work_pool, parameters={"config_path": config_path, "dispatch": True},
         print_next_steps=False,
@@ -164,3 +260,4 @@ def deploy(config: dict, config_path: str) -> None:
             name=stage, work_pool_name=placement.work_pool, job_variables=dict(placement.job_variables),
             print_next_steps=False,
         )
+    ensure_crash_detection(heartbeat_seconds)

@@ -21,13 +21,21 @@ ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
 
 
-def _load_or_exit(config: Path, profile: str, overrides: list[str]):
+def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False):
+    """The config, its stage plan and (check_data) the user data files' row check; exit 2 on a problem."""
+    from rlhf.userdata import DataError
+
     try:
         cfg = load_config(config, profile, overrides)
         from rlhf.runner import plan
 
+        if check_data:
+            from rlhf.preflight import check_data as check
+
+            for line in check(cfg):
+                typer.echo(line)
         return cfg, plan(cfg)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2) from None
 
@@ -39,12 +47,17 @@ def validate(
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
-    """Check pipeline.yaml; print the resolved config, the stage plan and derived batch quantities."""
-    cfg, stages = _load_or_exit(config, profile, set_ or [])
+    """Check pipeline.yaml and the user data files; print the resolved config, the stage plan, derived
+    batch quantities and the preflight (skip/resume/run per stage, memory estimate, warnings)."""
+    cfg, stages = _load_or_exit(config, profile, set_ or [], check_data=not as_json)
+    from rlhf import preflight
+    from rlhf.store import ArtifactStore
+
     report = {
         "config": cfg.model_dump(mode="json"),
         "plan": stages,
         "derived": derived_quantities(cfg),
+        "preflight": preflight.report(cfg, ArtifactStore(cfg.storage)),
     }
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -53,6 +66,9 @@ def validate(
     typer.echo(f"\n# plan (DAG order): {' -> '.join(stages) or '(no stage enabled)'}")
     for stage, values in report["derived"].items():
         typer.echo(f"# {stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    typer.echo(f"# preflight for run {cfg.run.name!r} (memory: estimated peak per stage, see rlhf/memory.py)")
+    for line in report["preflight"]:
+        typer.echo(f"# {line}")
     typer.echo(f"# {config}: OK")
 
 
@@ -66,7 +82,7 @@ def run(
     """Run the enabled stages through the `rlhf` Prefect flow (a temporary local API unless
     PREFECT_API_URL points at a server). Completed stages with unchanged content keys are skipped."""
     overrides = list(set_ or []) + ([f"run.name={run_name}"] if run_name else [])
-    cfg, stages = _load_or_exit(config, profile, overrides)
+    cfg, stages = _load_or_exit(config, profile, overrides, check_data=True)
     for stage, values in derived_quantities(cfg).items():
         typer.echo(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     # The temporary local API needs no telemetry (and there is no network to send it to).
@@ -90,12 +106,31 @@ StateOpt = Annotated[Optional[Path], typer.Option("--state-dir", help="where up/
 
 @app.command()
 def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default", set_: SetOpt = None,
-       state_dir: StateOpt = None, poll_seconds: int = 5) -> None:
-    """Start a local Prefect server, a process worker per work pool, and register the deployments."""
+       state_dir: StateOpt = None, poll_seconds: int = 5,
+       heartbeat_seconds: Annotated[int, typer.Option(min=30, help="flow-run heartbeat; a run silent for "
+                                                      "2x this + 15 s is marked Crashed")] = 30) -> None:
+    """Start a local Prefect server, a process worker per work pool, and register the deployments.
+    Run again to restart workers that died; what is healthy is kept."""
     cfg, _ = _load_or_exit(config, profile, set_ or [])
     from rlhf import services
 
-    services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, log=typer.echo)
+    services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,
+                log=typer.echo)
+
+
+@app.command()
+def deploy(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default", set_: SetOpt = None,
+           source: Annotated[Optional[str], typer.Option(help="where workers find this code: a path in their "
+                                                          "image or a git URL (default: this checkout)")] = None,
+           heartbeat_seconds: Annotated[int, typer.Option(min=30)] = 30) -> None:
+    """Register `rlhf/full`, `rlhf-stage/<stage>` and the crash-detection automation on the server that
+    PREFECT_API_URL names (a cluster's), without starting anything locally. Workers need
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY set to the same heartbeat."""
+    cfg, _ = _load_or_exit(config, profile, set_ or [])
+    from flows.rlhf import deploy as register
+
+    register(cfg.model_dump(mode="json"), str(config.resolve()), heartbeat_seconds, source)
+    typer.echo(f"registered rlhf/full and rlhf-stage/<stage> on {os.environ.get('PREFECT_API_URL', 'the active profile')}")
 
 
 @app.command()
@@ -153,6 +188,26 @@ def query(
         typer.echo(buf.getvalue().rstrip())
     else:
         typer.echo(format_table(table.column_names, rows))
+
+
+@app.command()
+def report(
+    run_name: Annotated[str, typer.Argument(help="the run to report on (its run.name)")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="folder for report.md and PNGs")] = None,
+) -> None:
+    """Write a self-contained report of one run (markdown + PNG curves, Elo chart, leaderboard)."""
+    cfg, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={run_name}"])
+    from rlhf.report import build
+    from rlhf.store import ArtifactStore
+
+    store = ArtifactStore(cfg.storage)
+    if not store.fs.exists(store.path(cfg.run.name)):
+        typer.echo(f"no run {cfg.run.name!r} under {store.url(store.path(cfg.run.name))}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(build(store, cfg.run.name, out or Path("reports") / cfg.run.name)))
 
 
 def format_table(columns: list[str], rows: list[dict]) -> str:

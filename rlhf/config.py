@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "rollout", "eval")
+STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -31,8 +31,8 @@ class Strict(BaseModel):
 
 
 class RunConfig(Strict):
-    name: str = "default"
-    seed: int = 0
+    name: str = "default"  # artifacts go to <storage.url>/<name>/<stage>/; one live run per name
+    seed: int = 0  # training seed (Trainer seed, RL sampling)
     work_pool: str = "cpu"  # where the orchestrating `rlhf/full` flow run itself goes (it only waits)
 
     @field_validator("name")
@@ -44,12 +44,12 @@ class RunConfig(Strict):
 class TinyModelConfig(Strict):
     """A random-init Llama with the default tokenizer: same code paths as the real model, in seconds."""
 
-    hidden_size: int = Field(64, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    intermediate_size: int = Field(128, ge=8)
-    init_seed: int = 0
+    hidden_size: int = Field(64, ge=8)  # width of the random-init test model
+    num_layers: int = Field(2, ge=1)  # decoder layers
+    num_heads: int = Field(4, ge=1)  # attention heads (must divide hidden_size)
+    num_kv_heads: int = Field(2, ge=1)  # key/value heads, grouped-query attention
+    intermediate_size: int = Field(128, ge=8)  # MLP width
+    init_seed: int = 0  # seed of the random initialisation
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -63,8 +63,9 @@ class TinyModelConfig(Strict):
 class ModelConfig(Strict):
     # "smollm2-135m-instruct" (embedded, offline), "tiny" (random init), a Hugging Face id or a local path.
     name: str = "smollm2-135m-instruct"
+    # weights and compute dtype; bfloat16/float16 need a GPU
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"  # transformers attention kernel
     tiny: TinyModelConfig = TinyModelConfig()
 
     @field_validator("name")
@@ -78,16 +79,20 @@ class ModelConfig(Strict):
 class DataConfig(Strict):
     # reasoning_gym:<dataset name>; generator parameters pass through unchanged to reasoning-gym.
     task: str = "reasoning_gym:chain_sum"
+    # the reasoning-gym generator's parameters
     task_params: dict[str, int | float | bool | str] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
-    seed: int = 0
-    train_size: int = Field(1000, ge=1)
-    eval_size: int = Field(100, ge=1)
+    seed: int = 0  # seed of the generated problems and of KTO's example order
+    train_size: int = Field(1000, ge=1)  # training problems (SFT demonstrations, preference pairs, RL prompts)
+    eval_size: int = Field(100, ge=1)  # held-out problems, never trained on
     # User data in TRL's standard formats (JSONL, Parquet or a Hugging Face dataset name).
     # When set, it replaces the task's generated data for that use.
     sft_path: str | None = None
-    prefs_path: str | None = None
+    prefs_path: str | None = None  # preference pairs {prompt, chosen, rejected} or {chosen, rejected}
+    # KTO's unpaired examples {prompt, completion, label}; when unset, KTO unpairs the preference pairs
+    unpaired_path: str | None = None
+    # fail: stop at the first bad row, naming it; drop: skip bad rows and count them
     on_bad_row: Literal["fail", "drop"] = "fail"
 
     @field_validator("task")
@@ -102,12 +107,12 @@ class StorageConfig(Strict):
     # A local folder (relative paths are resolved against pipeline.yaml's folder) or s3://bucket/prefix.
     # S3 credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), never from here.
     url: str = "data/artifacts"
-    endpoint_url: str | None = None
-    region: str = "us-west-1"
+    endpoint_url: str | None = None  # S3-compatible endpoint (SeaweedFS, MinIO); else AWS_ENDPOINT_URL
+    region: str = "us-west-1"  # S3 region
     # Transient storage errors (connection refused/reset, timeouts) are retried with exponential
     # backoff this many times in total, then the operation fails naming the URL.
     attempts: int = Field(4, ge=1)
-    backoff_seconds: float = Field(0.5, ge=0.0)
+    backoff_seconds: float = Field(0.5, ge=0.0)  # first retry delay; doubles each attempt
 
     @field_validator("url")
     @classmethod
@@ -127,36 +132,38 @@ class Placement(Strict):
     """Where a stage runs: a Prefect work pool and job variables for it (e.g. image and GPU requests of
     a Kubernetes pool). Neither changes a stage's outputs, so neither is part of its content key."""
 
-    enabled: bool = True
-    work_pool: str = "gpu"
+    enabled: bool = True  # run this stage in the pipeline
+    work_pool: str = "gpu"  # Prefect work pool the stage runs on under `rlhf up` / `rlhf/full`
+    # the pool's job variables, e.g. {image: ..., gpu: 1} for Kubernetes
     job_variables: JobVariables = Field(default_factory=dict)
 
 
 class LoraConfig(Strict):
-    enabled: bool = False
-    r: int = Field(16, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: str | list[str] = "all-linear"
+    enabled: bool = False  # train LoRA adapters (Hu et al. 2021) instead of all weights; merged when published
+    r: int = Field(16, ge=1)  # adapter rank
+    alpha: int = Field(32, ge=1)  # adapter scale numerator (scale = alpha / r)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)  # dropout on the adapter input
+    target_modules: str | list[str] = "all-linear"  # 'all-linear' or module names
 
 
 class TrainerOptions(Placement):
     """Options shared by the Trainer-based stages (SFT, reward model, DPO)."""
 
-    learning_rate: float = Field(2e-5, gt=0.0, lt=1.0)
-    num_epochs: float = Field(1.0, gt=0.0)
+    learning_rate: float = Field(2e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    num_epochs: float = Field(1.0, gt=0.0)  # passes over the training rows (when max_steps is -1)
     max_steps: int = Field(-1, ge=-1)  # -1: derived from num_epochs
-    per_device_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    max_length: int = Field(256, ge=8)
-    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"
+    per_device_batch_size: int = Field(8, ge=1)  # rows per forward pass per device
+    gradient_accumulation_steps: int = Field(1, ge=1)  # forward passes per optimizer step
+    max_length: int = Field(256, ge=8)  # prompt + completion tokens; longer rows are reported (fail/drop)
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"  # adamw_bnb_8bit: 8-bit AdamW states (bitsandbytes)
+    # learning-rate schedule after warmup
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    gradient_checkpointing: bool = False
-    save_steps: int = Field(50, ge=1)
-    logging_steps: int = Field(5, ge=1)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)  # share of the steps with linear warmup
+    weight_decay: float = Field(0.0, ge=0.0)  # AdamW decoupled weight decay
+    max_grad_norm: float = Field(1.0, gt=0.0)  # gradient clipping by global norm
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    save_steps: int = Field(50, ge=1)  # checkpoint (mirrored to the store) every N optimizer steps
+    logging_steps: int = Field(5, ge=1)  # metrics row and progress line every N steps
     lora: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
@@ -167,16 +174,16 @@ class TrainerOptions(Placement):
 
 
 class SFTConfig(TrainerOptions):
-    learning_rate: float = Field(5e-5, gt=0.0, lt=1.0)
+    learning_rate: float = Field(5e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
     completion_only_loss: bool = True  # loss on completion tokens only (InstructGPT, Ouyang et al. 2022)
     # Held-out greedy accuracy of the base and the trained policy, measured at the end of the stage.
     eval_prompts: int = Field(64, ge=0)
-    eval_max_new_tokens: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
 
 
 class RewardModelConfig(TrainerOptions):
-    learning_rate: float = Field(1e-5, gt=0.0, lt=1.0)
-    init_from: Literal["sft", "base"] = "sft"
+    learning_rate: float = Field(1e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    init_from: Literal["sft", "base"] = "sft"  # backbone: the SFT model or the base model; a scalar head is added
     # Held-out share of the preference pairs for pairwise accuracy.
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     # Bradley-Terry with margin (Llama 2, Touvron et al. 2023, eq. 2) when pairs carry a `margin` column.
@@ -186,8 +193,8 @@ class RewardModelConfig(TrainerOptions):
 
 
 class RefLogprobsConfig(Placement):
-    enabled: bool = False
-    batch_size: int = Field(16, ge=1)
+    enabled: bool = False  # compute the reference log-prob cache (DPO needs it)
+    batch_size: int = Field(16, ge=1)  # pairs per reference forward pass
     # Prompt + completion tokens, as DPO's collator truncates them; must equal dpo.max_length.
     max_length: int = Field(256, ge=8)
     per_token: bool = False  # also keep per-token log-probs (list columns)
@@ -196,29 +203,30 @@ class RefLogprobsConfig(Placement):
 class RolloutConfig(Placement):
     """Sampling for the rollout stage and for the RL stages' experience generation."""
 
-    enabled: bool = False
-    policy: Literal["base", "sft", "dpo", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
-    split: Literal["train", "eval"] = "eval"
-    prompts: int = Field(64, ge=1)
-    seed: int = 0
+    enabled: bool = False  # run the rollout stage (the RL stages sample with these settings either way)
+    policy: Literal["base", "sft", "dpo", "kto", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
+    split: Literal["train", "eval"] = "eval"  # which prompts the rollout stage answers
+    prompts: int = Field(64, ge=1)  # prompts the rollout stage answers
+    seed: int = 0  # sampling seed: the same params and seed give the same samples
     engine: Literal["hf"] = "hf"  # the vLLM engine lands with its own issue
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(32, ge=1)
-    n: int = Field(1, ge=1)
-    batch_size: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # sampling temperature; 0 is greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
+    max_new_tokens: int = Field(32, ge=1)  # response budget in tokens
+    n: int = Field(1, ge=1)  # samples per prompt in the rollout stage
+    batch_size: int = Field(16, ge=1)  # prompts per generate call
 
 
 class DPOConfig(TrainerOptions):
-    enabled: bool = False
-    learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)
+    enabled: bool = False  # run DPO (needs ref_logprobs)
+    learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    # sigmoid: DPO; ipo: Azar et al. 2023; robust: rDPO, Chowdhury et al. 2024
     loss_type: Literal["sigmoid", "ipo", "robust"] = "sigmoid"
     beta: float = Field(0.1, gt=0.0)  # Rafailov et al. 2023 use 0.1
     # Preference-flip rate for loss_type 'robust' (rDPO, Chowdhury et al. 2024). TRL 1.16's 'sigmoid'
     # ignores label smoothing, so accepting it there would silently do nothing.
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
-    eval_max_new_tokens: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
 
     @model_validator(mode="after")
     def _smoothing(self) -> DPOConfig:
@@ -230,28 +238,56 @@ class DPOConfig(TrainerOptions):
         return self
 
 
+class KTOConfig(TrainerOptions):
+    """KTO (Ethayarajh et al. 2024) on unpaired desirable/undesirable completions, TRL KTOTrainer."""
+
+    enabled: bool = False  # run KTO
+    learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"  # apo_zero_unpaired: D'Oosterlinck et al. 2024
+    beta: float = Field(0.1, gt=0.0)  # deviation from the reference; higher stays closer
+    # Eq. 8 of the paper: weight desirable vs undesirable losses when the classes are imbalanced
+    desirable_weight: float = Field(1.0, gt=0.0)
+    undesirable_weight: float = Field(1.0, gt=0.0)  # weight of the undesirable examples' losses
+    eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+
+    def needs_kl(self) -> bool:
+        return self.loss_type == "kto"
+
+    @model_validator(mode="after")
+    def _kl_batch(self) -> KTOConfig:
+        if self.needs_kl() and self.per_device_batch_size < 2:
+            raise ValueError(
+                "per_device_batch_size: KTO estimates its KL term from mismatched pairs inside a batch, "
+                f"so it needs at least 2, got {self.per_device_batch_size}"
+            )
+        return self
+
+
 class RLOptions(Placement):
     """Batch shape of one RL iteration; shared by PPO and GRPO."""
 
-    enabled: bool = False
-    iterations: int = Field(20, ge=1)
-    prompts_per_iteration: int = Field(8, ge=1)
+    enabled: bool = False  # run this RL stage
+    iterations: int = Field(20, ge=1)  # rollout -> reward -> update rounds
+    prompts_per_iteration: int = Field(8, ge=1)  # training prompts sampled per iteration
     epochs: int = Field(1, ge=1)  # K optimisation epochs over each batch of experience
-    minibatch_size: int = Field(8, ge=1)
-    learning_rate: float = Field(1e-6, gt=0.0, lt=1.0)
+    minibatch_size: int = Field(8, ge=1)  # rollouts per optimizer step; divides the rollouts per iteration
+    learning_rate: float = Field(1e-6, gt=0.0, lt=1.0)  # policy learning rate (AdamW; the critic uses it too)
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0)  # Schulman et al. 2017, eq. 7
     dual_clip: float | None = Field(None, gt=1.0)  # Ye et al. 2020: bound for negative advantages
     # verifier: the task's rule-based check (RLVR); reward_model: the trained RM; sum: verifier + RM;
     # function: `reward_function` ('module:function', TRL's signature (prompts, completions, **kw)).
     reward_source: Literal["verifier", "reward_model", "sum", "function"] = "verifier"
-    reward_function: str | None = None
-    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"
-    max_grad_norm: float = Field(1.0, gt=0.0)
-    gradient_checkpointing: bool = False
-    save_every: int = Field(5, ge=1)
+    reward_function: str | None = None  # 'module:function' when reward_source is 'function'
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"  # adamw_bnb_8bit: 8-bit AdamW states (bitsandbytes)
+    max_grad_norm: float = Field(1.0, gt=0.0)  # gradient clipping by global norm
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, slower
+    save_every: int = Field(5, ge=1)  # checkpoint (policy, critic, optimizers, KL controller) every N iterations
     max_kl: float = Field(10.0, gt=0.0)  # hard stop: mean per-sequence KL above this ends the stage
+    # LoRA on the policy: the reference is then the same model with its adapters off (no second copy)
+    lora: LoraConfig = LoraConfig()
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
-    eval_max_new_tokens: int = Field(16, ge=1)
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
 
     def rollouts_per_iteration(self) -> int:
         return self.prompts_per_iteration * self.samples_per_prompt()
@@ -273,18 +309,19 @@ class RLOptions(Placement):
 
 
 class KLControlConfig(Strict):
-    mode: Literal["fixed", "adaptive"] = "fixed"
-    beta: float = Field(0.05, ge=0.0)
+    mode: Literal["fixed", "adaptive"] = "fixed"  # fixed beta, or the adaptive controller toward `target`
+    beta: float = Field(0.05, ge=0.0)  # KL penalty coefficient in r - beta * KL (initial value when adaptive)
     target: float = Field(6.0, gt=0.0)  # adaptive controller, Ziegler et al. 2019, sec. 2.2
-    horizon: int = Field(10000, ge=1)
+    horizon: int = Field(10000, ge=1)  # adaptive controller horizon in samples
 
 
 class PPOConfig(RLOptions):
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount per token
     lam: float = Field(0.95, ge=0.0, le=1.0)  # GAE, Schulman et al. 2016
-    vf_coef: float = Field(0.1, ge=0.0)
-    value_clip: float = Field(0.2, gt=0.0)
-    entropy_coef: float = Field(0.0, ge=0.0)
+    vf_coef: float = Field(0.1, ge=0.0)  # weight of the value loss
+    value_clip: float = Field(0.2, gt=0.0)  # clip range of the value update around the old values
+    entropy_coef: float = Field(0.0, ge=0.0)  # entropy bonus weight
+    # backbone of the critic (value head added): the SFT model or the reward model
     critic_init: Literal["sft", "reward_model"] = "sft"
     kl: KLControlConfig = KLControlConfig()
 
@@ -293,30 +330,31 @@ class GRPOConfig(RLOptions):
     group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
     beta: float = Field(0.04, ge=0.0)  # k3 KL penalty weight in the loss (DeepSeekMath sec. 4.1)
     clip_eps_high: float | None = Field(None, gt=0.0, lt=1.0)  # DAPO clip-higher (Yu et al. 2025)
-    minibatch_size: int = Field(16, ge=1)
+    minibatch_size: int = Field(16, ge=1)  # rollouts per optimizer step; divides prompts x group_size
 
     def samples_per_prompt(self) -> int:
         return self.group_size
 
 
-POLICIES = ("base", "sft", "dpo", "ppo", "grpo")
+POLICIES = ("base", "sft", "dpo", "kto", "ppo", "grpo")
 
 
 class EvalConfig(Placement):
-    enabled: bool = False
+    enabled: bool = False  # run the evaluation
     # "base" is the configured model; the others are the `model/` outputs of those stages in this run.
-    policies: list[Literal["base", "sft", "dpo", "ppo", "grpo"]] = Field(default_factory=lambda: ["base", "sft"])
+    policies: list[Literal["base", "sft", "dpo", "kto", "ppo", "grpo"]] = Field(default_factory=lambda: ["base", "sft"])
     anchor: str = "sft"  # rated 1000 on the Elo scale
+    # who decides a battle: the task's verifier, the reward model, or both (separate ratings)
     judge: Literal["verifier", "reward_model", "both"] = "verifier"
     tie_margin: float = Field(0.0, ge=0.0)  # reward-model judge: |r_a - r_b| <= margin is a tie
-    bootstrap_rounds: int = Field(1000, ge=1)
+    bootstrap_rounds: int = Field(1000, ge=1)  # bootstrap resamples for the Elo confidence intervals
     prompts: int = Field(64, ge=1)  # held-out prompts (at most data.eval_size)
-    samples_per_prompt: int = Field(1, ge=1)
+    samples_per_prompt: int = Field(1, ge=1)  # answers per prompt and policy (needs temperature > 0 for more than 1)
     temperature: float = Field(0.0, ge=0.0)  # 0: greedy; the same sampling params and seed for every policy
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(32, ge=1)
-    batch_size: int = Field(32, ge=1)
-    seed: int = 0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
+    max_new_tokens: int = Field(32, ge=1)  # answer budget in tokens
+    batch_size: int = Field(32, ge=1)  # prompts per generate call
+    seed: int = 0  # sampling seed shared by every policy
 
     @model_validator(mode="after")
     def _anchor(self) -> EvalConfig:
@@ -340,6 +378,7 @@ class PipelineConfig(Strict):
     ref_logprobs: RefLogprobsConfig = RefLogprobsConfig()
     rollout: RolloutConfig = RolloutConfig()
     dpo: DPOConfig = DPOConfig()
+    kto: KTOConfig = KTOConfig()
     ppo: PPOConfig = PPOConfig()
     grpo: GRPOConfig = GRPOConfig()
     eval: EvalConfig = EvalConfig()

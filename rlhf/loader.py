@@ -138,7 +138,7 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
     for assignment in overrides:
         raw = apply_override(raw, assignment)
     base = path.resolve().parent
-    for section, key in (("storage", "url"), ("data", "sft_path"), ("data", "prefs_path")):
+    for section, key in (("storage", "url"), ("data", "sft_path"), ("data", "prefs_path"), ("data", "unpaired_path")):
         sec = raw.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
@@ -154,12 +154,12 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     """Batch-size semantics, spelled out per enabled stage (one process; multi-process comes later)."""
     out: dict[str, dict[str, Any]] = {}
     n_train = cfg.data.train_size
-    for name in ("sft", "reward_model", "dpo"):
+    for name in ("sft", "reward_model", "dpo", "kto"):
         st = cfg.stage(name)
         if not st.enabled:
             continue
         per_step = st.per_device_batch_size * st.gradient_accumulation_steps
-        rows = n_train if name == "sft" else int(n_train * (1 - getattr(st, "eval_fraction", 0.0)))
+        rows = {"sft": n_train, "kto": 2 * n_train}.get(name, int(n_train * (1 - getattr(st, "eval_fraction", 0.0))))
         steps = st.max_steps if st.max_steps > 0 else math.ceil(rows * st.num_epochs / per_step)
         out[name] = {
             "samples_per_optimizer_step": per_step,

@@ -70,3 +70,34 @@ def dpo_loss(
         "rewards/accuracies": (chosen_reward > rejected_reward).float().mean(),
     }
     return loss, metrics
+
+
+def kto_loss(
+    logp_policy: torch.Tensor,
+    logp_ref: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    loss_type: str = "kto",
+) -> torch.Tensor:
+    """Per-example KTO loss [B] (Ethayarajh et al. 2024, eq. 7), inputs [B]; `desirable` is boolean.
+
+    r = log pi(y|x) - log pi_ref(y|x); z0 = the batch's KL estimate, clamped at 0 and not differentiated.
+      desirable:   w_d * (1 - sigmoid(beta * (r - z0)))
+      undesirable: w_u * (1 - sigmoid(beta * (z0 - r)))
+    'apo_zero_unpaired' (D'Oosterlinck et al. 2024) drops z0 and uses sigmoid(beta * r) for undesirable.
+    Hand-worked (beta 0.1, z0 0): policy -1.2 / -2.5, reference -1.0 / -1.1 -> r = -0.2 / -1.4;
+      desirable 1 - sigmoid(-0.02) = 0.505000; undesirable 1 - sigmoid(0.14) = 0.465057; mean 0.485028.
+    """
+    ratio = logp_policy - logp_ref
+    z0 = torch.as_tensor(kl, dtype=ratio.dtype).clamp(min=0).detach()
+    if loss_type == "kto":
+        good, bad = 1 - torch.sigmoid(beta * (ratio - z0)), 1 - torch.sigmoid(beta * (z0 - ratio))
+    elif loss_type == "apo_zero_unpaired":
+        good, bad = 1 - torch.sigmoid(beta * ratio), torch.sigmoid(beta * ratio)
+    else:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}")
+    return torch.where(desirable, desirable_weight * good, undesirable_weight * bad)

@@ -1,4 +1,5 @@
-"""Training rows for the stages: demonstrations and preference pairs, from user files or the task.
+"""Training rows for the stages: demonstrations, preference pairs and KTO's unpaired examples, from user
+files or the task.
 
 Every preference row carries a stable `pair_id` ("train-17" for task data, "row-17" for user data, 1-based
 like the row numbers in error messages) that joins it to its cached reference log-probs.
@@ -7,6 +8,9 @@ like the row numbers in error messages) that joins it to its cached reference lo
 from __future__ import annotations
 
 import logging
+import random
+
+from trl.data_utils import extract_prompt
 
 from rlhf.config import DataConfig
 from rlhf.tasks import Task
@@ -36,3 +40,28 @@ def preference_pairs(data: DataConfig, log: logging.Logger, keep_margin: bool = 
     if not keep_margin:
         rows = [{k: v for k, v in r.items() if k != "margin"} for r in rows]
     return rows, len(dropped)
+
+
+def unpaired_examples(data: DataConfig, log: logging.Logger) -> tuple[list[dict], int]:
+    """KTO's (rows with example_id, dropped count): `data.unpaired_path` when set, else every preference
+    pair split into a desirable (chosen) and an undesirable (rejected) example.
+
+    The order is a seeded shuffle (data.seed): KTO's KL term pairs each prompt with the completion of its
+    neighbour in a fixed-order batch, and a pair's two halves side by side would share a prompt.
+    """
+    if data.unpaired_path:
+        loaded, dropped = load_rows(data.unpaired_path, "unpaired", data.on_bad_row, keep_index=True)
+        for message in dropped:
+            log.warning("dropped %s", message)
+        rows = [{**row, "example_id": f"row-{n}"} for n, row in loaded]
+        n_dropped = len(dropped)
+    else:
+        pairs, n_dropped = preference_pairs(data, log)
+        pairs = [p if "prompt" in p else {**p, **extract_prompt(p)} for p in pairs]  # implicit-prompt rows
+        rows = [
+            {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen", "example_id": f"{p['pair_id']}:{side}"}
+            for p in pairs
+            for side in ("chosen", "rejected")
+        ]
+    random.Random(data.seed).shuffle(rows)
+    return rows, n_dropped

@@ -31,14 +31,16 @@ STAGE_MODULES = {
     "reward_model": "stages.reward_model",
     "ref_logprobs": "stages.ref_logprobs",
     "dpo": "stages.dpo",
+    "kto": "stages.kto",
     "rollout": "stages.rollout",
     "ppo": "stages.ppo",
     "grpo": "stages.grpo",
     "eval": "stages.eval",
 }
 # Shared stage code a stage runs besides its own module (part of its code version).
-STAGE_EXTRA = {"ppo": ("stages/rl.py",), "grpo": ("stages/rl.py",), "dpo": ("stages/ref_logprobs.py",)}
-DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "rollout", "eval")
+STAGE_EXTRA = {"ppo": ("stages/rl.py",), "grpo": ("stages/rl.py",), "dpo": ("stages/ref_logprobs.py",),
+               "kto": ("stages/ref_logprobs.py",)}
+DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 # Every rlhf/ module but the CLI is part of every stage's code version (content key): conservative,
 # since a change anywhere in the shared code may change any stage's outputs.
 NOT_CODE = {"cli.py", "__init__.py"}
@@ -79,6 +81,8 @@ def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
         return sft  # the reference is the policy DPO starts from: SFT when it runs, else the base model
     if stage == "dpo":
         return [*sft, "ref_logprobs"]
+    if stage == "kto":
+        return sft  # KTO keeps its own reference cache (stages/kto.py says why)
     if stage == "rollout":
         return [] if cfg.rollout.policy == "base" else [cfg.rollout.policy]
     if stage in ("ppo", "grpo"):

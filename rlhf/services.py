@@ -72,8 +72,10 @@ def pools(cfg: PipelineConfig) -> list[str]:
     return sorted({cfg.run.work_pool, *(cfg.stage(s).work_pool for s in STAGES)})
 
 
-def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 5, log=print) -> str:
-    """Idempotent: a healthy server recorded in `state` is reused; pools and deployments are upserted."""
+def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 5, heartbeat_seconds: int = 30,
+       log=print) -> str:
+    """Idempotent: a healthy server recorded in `state` is reused, dead workers are restarted; pools,
+    deployments and the crash-detection automation are upserted."""
     api_file = state / "api_url"
     api = api_file.read_text().strip() if api_file.exists() else ""
     if not (api and _healthy(api)):
@@ -90,8 +92,10 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
             time.sleep(0.5)
         api_file.write_text(api)
         log(f"server: {api} (pid {(state / 'server.pid').read_text()})")
+    # Flow runs inherit the worker's environment: each sends a heartbeat every `heartbeat_seconds`
+    # (Prefect's minimum is 30), which the crash-detection automation watches.
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": str(poll_seconds),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(heartbeat_seconds)}
     for pool in pools(cfg):
         subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process", "--overwrite"],
                        env=env, check=True, capture_output=True)
@@ -100,22 +104,22 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
             continue
         pid = _spawn(state, f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"], env)
         log(f"worker: pool {pool!r} (pid {pid})")
-    register_deployments(cfg, config_path, api)
+    register_deployments(cfg, config_path, api, heartbeat_seconds)
     subprocess.run([str(BIN / "prefect"), "config", "set", f"PREFECT_API_URL={api}"], check=True, capture_output=True)
     (state / "pools.json").write_text(json.dumps(pools(cfg)))
     log("deployments: rlhf/full and rlhf-stage/<stage>; run: prefect deployment run rlhf/full --watch")
     return api
 
 
-def register_deployments(cfg: PipelineConfig, config_path: Path, api: str) -> None:
+def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heartbeat_seconds: int) -> None:
     """Registered in a child process so that PREFECT_API_URL applies from Prefect's first import."""
     code = (
         "import sys, json; from flows.rlhf import deploy; "
-        "deploy(json.loads(sys.argv[1]), sys.argv[2])"
+        "deploy(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"
     )
     env = {**os.environ, "PREFECT_API_URL": api}
-    subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json")), str(config_path.resolve())],
-                   env=env, check=True, cwd=REPO)
+    subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json")), str(config_path.resolve()),
+                    str(heartbeat_seconds)], env=env, check=True, cwd=REPO)
 
 
 def _stop(pid: int, first: int, then: int, grace: float) -> None:

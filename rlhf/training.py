@@ -24,6 +24,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
+from rlhf import progress
 from rlhf.config import TrainerOptions
 
 CHECKPOINTS = "checkpoints"
@@ -130,6 +131,7 @@ class ProgressAndMetrics(TrainerCallback):
         tok_s = ((state.num_input_tokens_seen or 0) - self.tokens0) / max(elapsed, 1e-9)
         loss = logs.get("loss", logs.get("train_loss"))
         loss_txt = f"loss {loss:.4f} " if isinstance(loss, (int, float)) else ""
+        progress.report(self.stage, step, state.max_steps)
         self.log.info(
             "%s step %d/%d %stokens/s %.0f elapsed %s ETA %s",
             self.stage, step, state.max_steps, loss_txt, tok_s, _fmt_eta(elapsed), _fmt_eta(eta),
@@ -254,3 +256,18 @@ class TrainerRun:
     def train(self, trainer):
         quiet(trainer)
         return trainer.train(resume_from_checkpoint=str(self.resume[1]) if self.resume else None)
+
+    def publish_policy(self, trainer, tokenizer, opts, metrics: dict[str, float]) -> dict[str, str]:
+        """After training a policy: merge LoRA, add held-out verifier accuracy to `metrics` as
+        `<stage>/accuracy`, publish the model and the metrics table. Returns the stage's outputs."""
+        from rlhf.generation import verifier_accuracy
+        from rlhf.tasks import Task
+
+        ctx = self.ctx
+        trained = trainer.model.merge_and_unload() if opts.lora.enabled else trainer.model
+        task = Task(ctx.cfg.data)
+        held_out = task.eval[: opts.eval_prompts]
+        if held_out:
+            metrics[f"{ctx.stage}/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, opts.eval_max_new_tokens)
+            ctx.log.info("%s: trained policy held-out accuracy %.3f", ctx.stage, metrics[f"{ctx.stage}/accuracy"])
+        return {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, self.progress.table())}

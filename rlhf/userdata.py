@@ -4,6 +4,7 @@ Accepted: JSONL, Parquet, or a Hugging Face dataset name (train split, where the
 Formats (https://huggingface.co/docs/trl/dataset_formats), plain strings or conversational messages:
   sft:   {prompt, completion} or {messages}
   prefs: {prompt, chosen, rejected} or implicit-prompt {chosen, rejected}
+  unpaired: {prompt, completion, label} with label true (desirable) or false (KTO's unpaired format)
 Errors name the file, the 1-based line (JSONL) or row (Parquet / hub), and the column.
 """
 
@@ -13,11 +14,13 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["sft", "prefs"]
+Kind = Literal["sft", "prefs", "unpaired"]
 COLUMNS: dict[str, list[tuple[str, ...]]] = {
     "sft": [("prompt", "completion"), ("messages",)],
     "prefs": [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
+    "unpaired": [("prompt", "completion", "label")],
 }
+FLAGS = {"label"}  # boolean columns; every other column holds text
 
 
 class DataError(Exception):
@@ -78,6 +81,10 @@ def row_problem(row: Any, kind: Kind) -> str | None:
         wanted = " or ".join("{" + ", ".join(c) + "}" for c in layouts)
         return f"missing columns: expected {wanted}, got {sorted(row)}"
     for col in layout:
+        if col in FLAGS:
+            if not isinstance(row[col], bool):
+                return f"{col!r} must be true or false, got {row[col]!r}"
+            continue
         problem = _text_problem(row[col], col)
         if problem:
             return problem
@@ -90,7 +97,8 @@ def shape(row: dict, kind: Kind) -> tuple:
     """(columns used, conversational?) of a valid row: every row of one file must share it, since a
     dataset mixing layouts or plain text with message lists cannot become one Arrow table."""
     layout = next(cols for cols in COLUMNS[kind] if set(cols) <= row.keys())
-    return layout, isinstance(row[layout[-1]], list)
+    text = [c for c in layout if c not in FLAGS]
+    return layout, isinstance(row[text[-1]], list)
 
 
 def load_rows(

@@ -16,19 +16,10 @@ from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
 from rlhf.config import DPOConfig
-from rlhf.generation import verifier_accuracy
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
-from rlhf.tasks import Task
-from rlhf.training import (
-    TrainerRun,
-    fetch_model,
-    peft_config,
-    publish_model,
-    trainer_kwargs,
-    write_metrics,
-)
+from rlhf.training import TrainerRun, fetch_model, peft_config, trainer_kwargs
 from stages.ref_logprobs import REF_LOGPS_SCHEMA
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -91,13 +82,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     last = {r["name"]: r["value"] for r in tr.progress.rows if r["name"].startswith("rewards/")}
     metrics.update({f"dpo/{k}": v for k, v in last.items()})
 
-    trained = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
-    task = Task(pcfg.data)
-    held_out = task.eval[: cfg.eval_prompts]
-    if held_out:
-        metrics["dpo/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, cfg.eval_max_new_tokens)
-        ctx.log.info("dpo: policy held-out accuracy %.3f", metrics["dpo/accuracy"])
-    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
+    outputs = tr.publish_policy(trainer, tokenizer, cfg, metrics)
     return StageResult(
         outputs=outputs,
         rows={"train_pairs": len(train_rows), "without_reference": unmatched},

@@ -21,6 +21,7 @@ import pyarrow as pa
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from rlhf import progress
 from rlhf.bradley_terry import paired_accuracy_diff, rate
 from rlhf.config import EvalConfig
 from rlhf.engine import HFEngine, SamplingParams
@@ -40,10 +41,14 @@ def policy_path(ctx: StageContext, policy: str) -> str:
 def sample_policies(cfg: EvalConfig, ctx: StageContext, prompts: list[list[dict]]) -> dict[str, list]:
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.samples_per_prompt, cfg.seed)
     out = {}
-    for policy in cfg.policies:
+    for k, policy in enumerate(cfg.policies):
         path = policy_path(ctx, policy)
         tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
-        log = lambda done, total, p=policy: ctx.log.info("eval: %s generated %d/%d", p, done, total)  # noqa: E731
+
+        def log(done, total, p=policy, k=k):  # generation is most of the stage: its share drives progress
+            ctx.log.info("eval: %s generated %d/%d", p, done, total)
+            progress.report(ctx.stage, k + done / total, len(cfg.policies))
+
         out[policy] = HFEngine(model, tok, cfg.batch_size).generate(prompts, params, on_batch=log)
         del model
     return out

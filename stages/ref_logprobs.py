@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
+from rlhf import progress
 from rlhf.config import RefLogprobsConfig
 from rlhf.logprobs import TokenizedPair, length_problem, pair_logps, tokenize_pair
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
@@ -60,36 +61,44 @@ def rows_fingerprint(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
-def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
-    code = hashlib.sha256(Path(__file__).read_bytes() + (Path(__file__).parent.parent / "rlhf" / "logprobs.py").read_bytes())
+def reference_key(model_dir: Path, rows: list[dict], dtype: str, code: list[Path], **settings) -> str:
+    """Content key of a reference log-prob cache entry: the weights and tokenizer files themselves (not a
+    name), the rows, the dtype, the code that computes the numbers and the TRL version it follows."""
     parts = {
         "weights": digest_files(model_dir, ("*.safetensors",)),
         "tokenizer": digest_files(model_dir, ("tokenizer*.json", "special_tokens_map.json", "chat_template*")),
         "data": rows_fingerprint(rows),
-        "max_length": cfg.max_length,
         "dtype": dtype,
-        "per_token": cfg.per_token,
-        "code": code.hexdigest(),
+        "code": hashlib.sha256(b"".join(p.read_bytes() for p in code)).hexdigest(),
         "trl": version("trl"),
+        **settings,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def screen(pairs: list[TokenizedPair], max_length: int, on_bad_row: str, log) -> tuple[list[TokenizedPair], list[str]]:
+def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
+    code = [Path(__file__), Path(__file__).parent.parent / "rlhf" / "logprobs.py"]
+    return reference_key(model_dir, rows, dtype, code, max_length=cfg.max_length, per_token=cfg.per_token)
+
+
+def screen(
+    pairs: list[TokenizedPair], max_length: int, on_bad_row: str, log, noun: str = "preference pair"
+) -> tuple[list[TokenizedPair], list[str]]:
+    """Over-long or empty rows, by id: fail on the first screening (data.on_bad_row: fail) or drop and count."""
     kept, problems = [], []
     for pair in pairs:
         problem = length_problem(pair, max_length)
         if problem is None:
             kept.append(pair)
         else:
-            problems.append(f"pair {pair.pair_id}: {problem}")
+            problems.append(f"{noun.split()[-1]} {pair.pair_id}: {problem}")
     if problems and on_bad_row == "fail":
         shown = "\n  ".join(problems[:20])
-        raise BadPairs(f"{len(problems)} preference pairs are unusable (data.on_bad_row: fail):\n  {shown}")
+        raise BadPairs(f"{len(problems)} {noun}s are unusable (data.on_bad_row: fail):\n  {shown}")
     for p in problems:
-        log.warning("ref_logprobs: dropped %s", p)
+        log.warning("dropped %s", p)
     if not kept:
-        raise BadPairs("no usable preference pairs left after screening")
+        raise BadPairs(f"no usable {noun}s left after screening")
     return kept, problems
 
 
@@ -127,15 +136,16 @@ def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
         model = load_causal_lm(str(model_dir), pcfg.model)
         t0, tokens = time.perf_counter(), [0]
 
-        def progress(done: int, batch_tokens: int) -> None:
+        def on_batch(done: int, batch_tokens: int) -> None:
             tokens[0] += batch_tokens
             metrics["ref_logprobs/forward_batches"] += 1
             rate = tokens[0] / (time.perf_counter() - t0)
             eta = (len(pairs) - done) * (time.perf_counter() - t0) / done
             ctx.log.info("ref_logprobs: %d/%d pairs, %.0f tokens/s, ETA %.0fs", done, len(pairs), rate, eta)
+            progress.report(ctx.stage, done, len(pairs))
 
         with torch.inference_mode():
-            out = pair_logps(model, tokenizer, pairs, cfg.max_length, cfg.batch_size, cfg.per_token, on_batch=progress)
+            out = pair_logps(model, tokenizer, pairs, cfg.max_length, cfg.batch_size, cfg.per_token, on_batch=on_batch)
         seconds = time.perf_counter() - t0
         metrics.update({"ref_logprobs/cache_hit": 0.0, "ref_logprobs/seconds": seconds,
                         "ref_logprobs/tokens_per_s": tokens[0] / seconds})

@@ -24,7 +24,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from rlhf import rl_math
+from rlhf import progress, rl_math
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.generation import verifier_accuracy
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
@@ -37,6 +37,7 @@ from rlhf.training import (
     InjectedCrash,
     fetch_model,
     latest_checkpoint,
+    peft_config,
     publish_model,
     store_checkpoint,
     write_metrics,
@@ -169,6 +170,26 @@ def make_reward(cfg, ctx: StageContext, task: Task):
     return reward
 
 
+def load_policy(cfg, init: str, resume: Path | None, model_cfg):
+    """The trained policy: full weights, or (lora.enabled) the init model with LoRA adapters (Hu et al.
+    2021); a resume loads the checkpoint's weights or adapters."""
+    if not cfg.lora.enabled:
+        return load_causal_lm(str(resume / "policy") if resume else init, model_cfg)
+    from peft import PeftModel, get_peft_model
+
+    base = load_causal_lm(init, model_cfg)
+    if resume:
+        return PeftModel.from_pretrained(base, str(resume / "policy"), is_trainable=True)
+    return get_peft_model(base, peft_config(cfg))
+
+
+def reference_logps(policy, ref, batch: Batch, temperature: float, size: int) -> torch.Tensor:
+    if ref is not None:
+        return score_all(ref, batch, temperature, size)
+    with policy.disable_adapter():  # LoRA: the frozen base weights are the reference
+        return score_all(policy, batch, temperature, size)
+
+
 # ---- checkpoints ------------------------------------------------------------------------------------
 def save_checkpoint(ctx, it: int, policy, critic, tok, optimizers, state: dict) -> None:
     local = ctx.workdir / "ckpt"
@@ -206,9 +227,10 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     found = latest_checkpoint(ctx)
     resume = found[1] if found else None
     tok = load_tokenizer(init)
-    policy = load_causal_lm(str(resume / "policy") if resume else init, pcfg.model)
+    policy = load_policy(cfg, init, resume, pcfg.model)
     use_ref = (cfg.beta if algo == "grpo" else cfg.kl.beta) > 0 or (algo == "ppo" and cfg.kl.mode == "adaptive")
-    ref = load_causal_lm(init, pcfg.model).eval().requires_grad_(False) if use_ref else None
+    # With LoRA the reference is the policy with its adapters off (`reference_logps`): no second model.
+    ref = load_causal_lm(init, pcfg.model).eval().requires_grad_(False) if use_ref and not cfg.lora.enabled else None
     critic = None
     if spec["critic"]:
         from transformers import AutoModelForTokenClassification
@@ -219,7 +241,9 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         critic.config.pad_token_id = tok.pad_token_id
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    optimizers = {"policy": make_optimizer(cfg, policy.parameters())}
+        if cfg.lora.enabled:  # frozen embeddings: checkpointed blocks need inputs that require grad
+            policy.enable_input_require_grads()
+    optimizers = {"policy": make_optimizer(cfg, [p for p in policy.parameters() if p.requires_grad])}
     if critic is not None:
         optimizers["critic"] = make_optimizer(cfg, critic.parameters())
     state = {"iteration": 0, "beta": cfg.beta if algo == "grpo" else cfg.kl.beta}
@@ -247,8 +271,8 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         batch = build_batch(prompt_ids, gens, tok.pad_token_id)
         scores = reward(probs, gens)
         batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
-        if ref is not None:
-            batch.logp_ref = score_all(ref, batch, roll.temperature, cfg.minibatch_size)
+        if use_ref:
+            batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
         if critic is not None:
             batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
         spec["advantages"](cfg, batch, scores, state["beta"])
@@ -266,6 +290,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                    "tokens_per_s": tokens / seconds, "seconds": seconds, **stats}
         write_iteration(ctx, it, algo, problems, gens, probs, batch, scores, metrics)
         eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
+        progress.report(ctx.stage, it, cfg.iterations)
         ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
                      metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
         if it % cfg.save_every == 0 or it == cfg.iterations:

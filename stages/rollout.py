@@ -10,6 +10,7 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
+from rlhf import progress
 from rlhf.config import RolloutConfig
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
@@ -35,9 +36,12 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
     task = Task(ctx.cfg.data)
     problems = (task.train if cfg.split == "train" else task.eval)[: cfg.prompts]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.n, cfg.seed)
-    progress = lambda done, total: ctx.log.info("rollout: %d/%d samples", done, total)  # noqa: E731
+    def on_batch(done: int, total: int) -> None:
+        ctx.log.info("rollout: %d/%d samples", done, total)
+        progress.report(ctx.stage, done, total)
+
     with torch.inference_mode():
-        gens = HFEngine(model, tok, cfg.batch_size).generate([[user(p.question)] for p in problems], params, on_batch=progress)
+        gens = HFEngine(model, tok, cfg.batch_size).generate([[user(p.question)] for p in problems], params, on_batch=on_batch)
     rows = [{"prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index, "prompt": problems[g.prompt_index].question,
              "response": g.text, "token_ids": g.token_ids, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
              "reward": task.score(g.text, problems[g.prompt_index])} for g in gens]

@@ -17,13 +17,7 @@ from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import demonstrations
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
-from rlhf.training import (
-    TrainerRun,
-    peft_config,
-    publish_model,
-    trainer_kwargs,
-    write_metrics,
-)
+from rlhf.training import TrainerRun, peft_config, trainer_kwargs
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
@@ -59,11 +53,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     metrics["sft/steps"] = float(trainer.state.global_step)
     metrics["sft/tokens_seen"] = float(trainer.state.num_input_tokens_seen or 0)
 
-    trained = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
-    if held_out:
-        metrics["sft/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, cfg.eval_max_new_tokens)
-        ctx.log.info("sft: trained policy held-out accuracy %.3f", metrics["sft/accuracy"])
-    outputs = {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
+    outputs = tr.publish_policy(trainer, tokenizer, cfg, metrics)
     return StageResult(
         outputs=outputs,
         rows={"train": len(rows), "dropped": dropped, "eval_prompts": len(held_out)},

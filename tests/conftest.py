@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.config import STAGES
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "pipeline.yaml"
 
@@ -133,7 +135,6 @@ def tiny_cfg(tmp_path):
     return make
 
 
-STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "rollout", "eval")
 
 
 def only(*stages: str) -> list[str]:

@@ -44,6 +44,25 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
     assert {s: store.require_manifest("flowtest", s)["key"] for s in keys} == keys
     print(f"fully skipped rerun: {elapsed:.1f} s")  # shown with -rP; includes the temporary API start
 
+    # The run report: the flow stored one beside the stages; `rlhf report` writes it anew on demand.
+    assert store.fs.exists(store.path("flowtest", "_report", "report.md"))
+    out = tmp_path / "report"
+    proc = run_cli("report", "flowtest", "--set", f"storage.url={store_url}", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = (out / "report.md").read_text()
+    for stage in STAGES:
+        assert f"| {stage} | complete |" in report
+    assert "### Leaderboard" in report and "![Elo with 95% bootstrap intervals](ratings.png)" in report
+    from PIL import Image
+
+    for png in ("sft.png", "dpo.png", "grpo.png", "ratings.png"):
+        assert f"({png})" in report
+        with Image.open(out / png) as image:
+            assert image.width >= 500 and image.height >= 200
+            assert len(set(image.convert("L").getdata())) > 8  # drawn content, not a blank canvas
+    missing = run_cli("report", "nosuchrun", "--set", f"storage.url={store_url}")
+    assert missing.returncode == 2 and "no run 'nosuchrun'" in missing.stderr
+
     # The README's example queries run against this run's results and print the header shown there.
     queries = readme_queries()
     assert len(queries) == 3
@@ -57,3 +76,15 @@ def test_run_refuses_bad_config_before_any_work(tmp_path):
     proc = run_cli("run", "--profile", "tiny", "--set", f"storage.url={tmp_path}", "--set", "sft.max_steps=0")
     assert proc.returncode == 2 and "sft.max_steps: must be -1 (use num_epochs) or >= 1, got 0" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_run_refuses_bad_user_data_before_any_work(tmp_path):
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    store = tmp_path / "store"
+    proc = run_cli("run", "--profile", "tiny", "--set", f"storage.url={store}", "--set", f"data.prefs_path={prefs}")
+    assert proc.returncode == 2
+    assert f"{prefs} line 2: missing columns: expected {{prompt, chosen, rejected}}" in proc.stderr
+    assert not store.exists()  # nothing ran, nothing was written
+    dropped = run_cli("validate", "--profile", "tiny", "--set", f"data.prefs_path={prefs}", "--set", "data.on_bad_row=drop")
+    assert dropped.returncode == 0 and "data.prefs_path: 1 usable rows, 1 dropped" in dropped.stdout

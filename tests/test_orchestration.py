@@ -1,14 +1,22 @@
 """Real orchestration, no mocks: `rlhf up` starts a Prefect server and one process worker per work pool
-on 127.0.0.1 and registers the deployments; `prefect deployment run rlhf/full --watch` runs the tiny
-pipeline with every stage sent to its pool, artifacts in a real SeaweedFS S3 bucket; a second run skips
-every stage; `rlhf down` stops everything it started (also when the test fails)."""
+on 127.0.0.1 and registers the deployments; `prefect deployment run rlhf/full` runs the tiny pipeline
+with every stage sent to its pool and artifacts in a real SeaweedFS S3 bucket.
+
+Faults, as a cluster has them: the gpu pool's worker is SIGKILLed (with its flow-run process) once
+during SFT and once during GRPO, each time after a checkpoint landed. The lost stage run is marked
+Crashed by the heartbeat automation, the pipeline run fails, no stage without a manifest counts as
+complete, `rlhf up` restarts the worker; a new deployment run resumes SFT from its checkpoint, and
+`prefect flow-run retry` of the second failed run resumes GRPO. A last run skips every stage.
+`rlhf down` stops everything it started (also when the test fails)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import REPO, run_cli
@@ -16,35 +24,115 @@ from rlhf.config import StorageConfig
 from rlhf.store import ArtifactStore
 
 STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
+PREFECT = str(Path(sys.executable).parent / "prefect")
+# Long enough that each stage is still running a few seconds after its first checkpoint.
+OVERRIDES = ["sft.max_steps=16", "sft.save_steps=4", "grpo.iterations=6", "grpo.save_every=2"]
 
 
-def test_deployment_run_on_work_pools_with_s3(tmp_path, s3_env, monkeypatch):
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def complete_checkpoint(store: ArtifactStore, stage: str) -> bool:
+    return bool(store.fs.glob(store.stage_path("tiny", stage, "checkpoints", "*", ".complete")))
+
+
+def process_tree(root: int) -> list[int]:
+    table = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
+    children: dict[int, list[int]] = {}
+    for pid, ppid in zip(map(int, table[::2]), map(int, table[1::2])):
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def kill_gpu_worker(state: Path) -> None:
+    """SIGKILL the worker and every process under it (the stage's flow run may sit in a session of its
+    own), as when a node dies: nothing gets to clean up."""
+    for pid in process_tree(int((state / "worker-gpu.pid").read_text())):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def flow_run_state(run_id: str) -> str:
+    out = subprocess.run([PREFECT, "flow-run", "inspect", run_id, "--output", "json"], capture_output=True,
+                         text=True, cwd=REPO)
+    return json.loads(out.stdout)["state"]["type"] if out.returncode == 0 else ""
+
+
+def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkeypatch):
     state = tmp_path / "services"
     env = {"PREFECT_HOME": str(tmp_path / "prefect-user"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    prefect = str(Path(sys.executable).parent / "prefect")
-    deployment_run = [prefect, "deployment", "run", "rlhf/full", "--param", "profile=tiny",
-                      "--param", f"overrides={json.dumps(['storage.url=' + s3_env['url']])}", "--watch"]
+    overrides = json.dumps(["storage.url=" + s3_env["url"], *OVERRIDES])
+    deployment_run = [PREFECT, "deployment", "run", "rlhf/full", "--param", "profile=tiny",
+                      "--param", f"overrides={overrides}", "--watch"]
+    store = ArtifactStore(StorageConfig(url=s3_env["url"]))
+    gpu_log = lambda: (state / "worker-gpu.log").read_text()  # noqa: E731  (appended across restarts)
+    cpu_log = lambda: (state / "worker-cpu.log").read_text()  # noqa: E731  (the rlhf/full runs)
+    up = lambda: run_cli("up", "--state-dir", str(state), "--poll-seconds", "2")  # noqa: E731
     try:
-        up = run_cli("up", "--state-dir", str(state), "--poll-seconds", "2")
-        assert up.returncode == 0, up.stdout + up.stderr
+        started = up()
+        assert started.returncode == 0, started.stdout + started.stderr
         status = json.loads(run_cli("status", "--state-dir", str(state)).stdout)
         assert status["healthy"] and status["worker-gpu"]["alive"] and status["worker-cpu"]["alive"]
 
-        first = subprocess.run(deployment_run, capture_output=True, text=True, timeout=900, cwd=REPO, env=os.environ)
-        assert first.returncode == 0 and "Completed" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
-        store = ArtifactStore(StorageConfig(url=s3_env["url"]))
-        keys = {s: store.require_manifest("tiny", s)["key"] for s in STAGES}  # every stage complete, in S3
-        gpu_log = (state / "worker-gpu.log").read_text()
-        assert all(f"{s}: ran in" in gpu_log for s in STAGES)  # the stages ran on the gpu pool's worker
+        # 1. Kill during SFT, after its first checkpoint: the run fails, SFT is not complete.
+        first = subprocess.Popen(deployment_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+        wait_for(lambda: complete_checkpoint(store, "sft"), 300, "an SFT checkpoint")
+        kill_gpu_worker(state)
+        out, _ = first.communicate(timeout=300)  # the heartbeat automation crashes the lost stage run
+        assert first.returncode != 0 and "Failed" in out, out[-3000:]
+        assert "stage 'sft' on work pool 'gpu' ended Crashed: no heartbeat" in cpu_log()  # the parent's error
+        assert store.read_manifest("tiny", "sft") is None  # checkpoints, no manifest: not complete
+        assert all(store.read_manifest("tiny", s) is None for s in STAGES)
 
-        second = subprocess.run(deployment_run, capture_output=True, text=True, timeout=900, cwd=REPO, env=os.environ)
-        assert second.returncode == 0, second.stdout[-3000:]
-        gpu_log = (state / "worker-gpu.log").read_text()
-        assert all(f"{s}: skipped, complete with key {keys[s][:12]}" in gpu_log for s in STAGES)
-        assert {s: store.require_manifest("tiny", s)["key"] for s in STAGES} == keys
+        # 2. Worker back; a new run resumes SFT; kill again during GRPO after its first checkpoint.
+        assert up().returncode == 0
+        second = subprocess.Popen(deployment_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  cwd=REPO)
+        wait_for(lambda: complete_checkpoint(store, "grpo"), 600, "a GRPO checkpoint")
+        kill_gpu_worker(state)
+        out, _ = second.communicate(timeout=300)
+        assert second.returncode != 0 and "Failed" in out, out[-3000:]
+        assert "stage 'grpo' on work pool 'gpu' ended Crashed: no heartbeat" in cpu_log()
+        assert store.require_manifest("tiny", "sft")["resumed_from_step"] in (4, 8, 12)
+        assert store.read_manifest("tiny", "grpo") is None and store.read_manifest("tiny", "eval") is None
+        done = {s: store.require_manifest("tiny", s)["key"] for s in ("sft", "reward_model", "ref_logprobs", "dpo")}
+
+        # 3. Worker back; `prefect flow-run retry` of the failed run: completed stages skip, GRPO resumes.
+        # (`rlhf deploy`, the cluster path, re-registers the same deployments on the running server.)
+        assert up().returncode == 0
+        deployed = run_cli("deploy")
+        assert deployed.returncode == 0 and "registered rlhf/full" in deployed.stdout, deployed.stderr[-2000:]
+        run_id = out.split("UUID:")[1].split()[0]
+        retry = subprocess.run([PREFECT, "flow-run", "retry", run_id], capture_output=True, text=True, cwd=REPO)
+        assert retry.returncode == 0, retry.stdout + retry.stderr
+        assert wait_for(lambda: flow_run_state(run_id) in ("COMPLETED", "FAILED", "CRASHED") and flow_run_state(run_id),
+                        600, "the retried run") == "COMPLETED", gpu_log()[-3000:]
+        assert store.require_manifest("tiny", "grpo")["resumed_from_step"] in (2, 4)
+        assert all(f"{s}: skipped, complete with key {k[:12]}" in gpu_log() for s, k in done.items())
+        keys = {s: store.require_manifest("tiny", s)["key"] for s in STAGES}  # every stage complete, in S3
+        assert {s: keys[s] for s in done} == done
+
+        # 4. A fresh run of the same name skips every stage.
+        last = subprocess.run(deployment_run, capture_output=True, text=True, timeout=900, cwd=REPO, env=os.environ)
+        assert last.returncode == 0 and "Completed" in last.stdout, last.stdout[-3000:] + last.stderr[-3000:]
+        assert all(f"{s}: skipped, complete with key {keys[s][:12]}" in gpu_log()[-20000:] for s in STAGES)
     finally:
         down = run_cli("down", "--state-dir", str(state))
     assert down.returncode == 0, down.stderr

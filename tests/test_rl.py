@@ -126,3 +126,39 @@ def test_sampling_is_reproducible_by_seed():
     c = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=5, n=2, seed=4))
     assert [g.token_ids for g in a] == [g.token_ids for g in b] != [g.token_ids for g in c]
     assert [(g.prompt_index, g.sample_index) for g in a] == [(i, s) for i in range(4) for s in range(2)]
+
+
+def test_lora_policy_uses_its_base_as_reference_and_resumes(tiny_cfg, monkeypatch):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    cfg = rl_cfg(tiny_cfg, "grpo", "grpo.lora.enabled=true", "grpo.lora.r=8", "grpo.learning_rate=1e-2",
+                 "grpo.iterations=4", "grpo.save_every=2", "grpo.prompts_per_iteration=2", "grpo.minibatch_size=8",
+                 "grpo.max_kl=50")
+    loads = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, *a, **kw: loads.append(a) or real(cls, *a, **kw)))
+    monkeypatch.setenv(CRASH_ENV, "grpo:3")
+    with pytest.raises(InjectedCrash):
+        execute_stage(cfg, "grpo")
+    assert len(loads) == 1  # the base under the adapters; the reference is that base, adapters off
+    store = ArtifactStore(cfg.storage)
+    table = store.read_table(store.stage_path(cfg.run.name, "grpo", "iterations", "iter-000001.parquet"), METRICS_SCHEMA)
+    assert {r["name"]: r["value"] for r in table.to_pylist()}["kl"] == 0.0  # zero-init B: policy == reference
+    ckpt = store.stage_path(cfg.run.name, "grpo", "checkpoints", "iter-000002", "policy")
+    assert store.fs.exists(f"{ckpt}/adapter_model.safetensors")  # only the adapters are checkpointed
+
+    monkeypatch.delenv(CRASH_ENV)
+    m = execute_stage(cfg, "grpo")
+    assert m["status"] == "resumed" and m["resumed_from_step"] == 2
+    assert m["metrics"]["grpo/kl"] != 0.0  # trained adapters moved the policy away from its base
+    published = store.stage_path(cfg.run.name, "grpo", "model")
+    assert not store.fs.exists(f"{published}/adapter_config.json")  # merged into a plain HF folder
+    base = load_file(str(Path(loads[0][0]) / "model.safetensors"))
+    with store.fs.open(f"{published}/model.safetensors", "rb") as f:
+        from safetensors.torch import load as load_bytes
+
+        merged = load_bytes(f.read())
+    name = next(k for k in merged if "q_proj.weight" in k)
+    assert not (merged[name] == base[name]).all()  # the adapters were merged into the weights

@@ -1,0 +1,85 @@
+"""Preflight: the memory arithmetic by hand, the per-stage outlook (run / resume / skip) against a real store,
+and the risky-setting warnings."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import CONFIG, only, run_cli
+from rlhf import progress
+from rlhf.config import ModelConfig
+from rlhf.loader import load_config
+from rlhf.memory import Shape, activation_bytes, model_shape, stage_estimates, trained_model_bytes
+from rlhf.preflight import outlook, predicted_keys, risky_settings
+from rlhf.runner import execute_stage
+from rlhf.store import ArtifactStore
+from rlhf.training import CRASH_ENV, InjectedCrash
+
+# h 8, 1 layer, 2 heads (head dim 4), 1 kv head -> kv_dim 4, MLP 16, vocab 10, tied embeddings.
+SMALL = Shape(hidden=8, layers=1, heads=2, kv_heads=1, intermediate=16, vocab=10, tied=True)
+
+
+def test_parameter_counts_by_hand():
+    # embeddings 10*8 = 80; layer: q 64 + k,v 2*8*4 = 64 + o 64 + MLP 3*8*16 = 384 + 2 norms 16 = 592;
+    # final norm 8 -> 680.
+    assert SMALL.params() == 680
+    # SmolLM2-135M: 49152*576 + 30 * (576^2 + 2*576*192 + 576^2 + 3*576*1536 + 2*576) + 576 = 134,515,008
+    assert model_shape(ModelConfig()).params() == 134_515_008
+
+
+def test_training_memory_by_hand():
+    assert trained_model_bytes(SMALL, 4, "adamw_torch", None) == {"weights": 2720, "gradients": 2720, "optimizer": 5440}
+    assert trained_model_bytes(SMALL, 4, "adamw_bnb_8bit", None)["optimizer"] == 1360  # 2 bytes per weight
+    # LoRA r=2: per layer (in+out) = q 16 + k 12 + v 12 + o 16 + gate 24 + up 24 + down 24 = 128 -> 256 weights
+    assert trained_model_bytes(SMALL, 4, "adamw_torch", 2) == {"weights": 2720, "gradients": 1024, "optimizer": 2048}
+    # batch 2, seq 4, fp32: 5*a*s/h = 5; one layer = 4*2*8*(34+5) * 4/2 bytes = 4992
+    assert activation_bytes(SMALL, 2, 4, 4, flash=False, checkpointing=False) == 4992
+    assert activation_bytes(SMALL, 2, 4, 4, flash=True, checkpointing=False) == 4352  # no score term
+    assert activation_bytes(SMALL, 2, 4, 4, flash=False, checkpointing=True) == 256 + 4992  # 2sbh * 2 + one layer
+
+
+def test_estimates_cover_every_enabled_stage_and_grow_with_batch():
+    cfg = load_config(CONFIG, "default", ["ppo.enabled=true"])
+    est = stage_estimates(cfg)
+    assert set(est) == {"sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "eval"}
+    assert est["ppo"]["total"] > est["grpo"]["total"] > est["ref_logprobs"]["total"]  # critic, then inference
+    bigger = stage_estimates(load_config(CONFIG, "default", ["sft.per_device_batch_size=32"]))
+    assert bigger["sft"]["activations"] == pytest.approx(4 * est["sft"]["activations"], rel=0.02)
+    assert stage_estimates(load_config(CONFIG, "default", ["model.name=/nonexistent/model"])) is None
+
+
+def test_outlook_says_run_then_resume_then_skip_and_progress_is_reported(tiny_cfg, monkeypatch):
+    cfg = tiny_cfg(*only("sft", "dpo", "ref_logprobs"), "sft.save_steps=2")
+    store = ArtifactStore(cfg.storage)
+    assert outlook(cfg, store) == {"sft": "run", "ref_logprobs": "run", "dpo": "run"}
+    monkeypatch.setenv(CRASH_ENV, "sft:3")  # dies after the step-2 checkpoint
+    with pytest.raises(InjectedCrash):
+        execute_stage(cfg, "sft")
+    monkeypatch.delenv(CRASH_ENV)
+    assert outlook(cfg, store)["sft"] == "resume (checkpoints of this key)"
+    seen = []
+    with progress.listening(lambda stage, fraction: seen.append((stage, fraction))):
+        manifest = execute_stage(cfg, "sft")
+    assert seen[-1] == ("sft", 1.0) and [f for _, f in seen] == sorted(f for _, f in seen)  # resumed at step 2
+    assert 0.25 <= seen[0][1] < 1.0
+    assert manifest["key"] == predicted_keys(cfg)["sft"]  # the prediction is the key the stage records
+    assert outlook(cfg, store)["sft"] == f"skip (complete, key {manifest['key'][:12]})"
+    changed = tiny_cfg(*only("sft", "dpo", "ref_logprobs"), "sft.save_steps=2", "sft.learning_rate=1e-4")
+    assert outlook(changed, store)["sft"].startswith("run (config or inputs changed")
+
+
+def test_risky_settings_are_named():
+    assert risky_settings(load_config(CONFIG, "default")) == []
+    cfg = load_config(CONFIG, "default", ["grpo.reward_source=reward_model", "grpo.beta=0", "dpo.learning_rate=1e-3",
+                                          "grpo.group_size=2"])
+    warnings = risky_settings(cfg)
+    assert any(w.startswith("grpo: KL beta 0 with a learned reward model") for w in warnings)
+    assert "dpo.learning_rate: 0.001 is outside the usual 1e-07 .. 5e-05 for dpo" in warnings
+    assert any(w.startswith("grpo.group_size: 2 samples per prompt") for w in warnings)
+
+
+def test_validate_prints_the_preflight():
+    proc = run_cli("validate", "--profile", "tiny", "--set", "grpo.reward_source=reward_model", "--set", "grpo.beta=0")
+    assert proc.returncode == 0, proc.stderr
+    assert "# memory sft: ~" in proc.stdout and "# memory grpo: ~" in proc.stdout
+    assert "# WARNING grpo: KL beta 0 with a learned reward model" in proc.stdout
