@@ -253,6 +253,13 @@ class TrainerRun:
     def resumed_from_step(self) -> int | None:
         return self.resume[0] if self.resume else None
 
+    def build(self, trainer_cls, model, args, rows: list[dict], tokenizer, opts, **extra):
+        """The TRL trainer of a policy stage on `rows`, with this run's callbacks and the stage's LoRA."""
+        from datasets import Dataset
+
+        return trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                           peft_config=peft_config(opts), callbacks=self.callbacks, **extra)
+
     def train(self, trainer):
         quiet(trainer)
         return trainer.train(resume_from_checkpoint=str(self.resume[1]) if self.resume else None)

@@ -11,7 +11,6 @@ Outputs: `model/`, `metrics.parquet`; held-out verifier accuracy in the manifest
 
 from __future__ import annotations
 
-from datasets import Dataset
 from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
@@ -19,7 +18,7 @@ from rlhf.config import DPOConfig
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
-from rlhf.training import TrainerRun, fetch_model, peft_config, trainer_kwargs
+from rlhf.training import TrainerRun, fetch_model, trainer_kwargs
 from stages.ref_logprobs import REF_LOGPS_SCHEMA
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -67,14 +66,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
         label_smoothing=cfg.label_smoothing,
         precompute_ref_log_probs=True,  # with the override above: no reference model is built or run
     )
-    trainer = CachedRefDPOTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(train_rows),
-        processing_class=tokenizer,
-        peft_config=peft_config(cfg),
-        callbacks=tr.callbacks,
-    )
+    trainer = tr.build(CachedRefDPOTrainer, model, args, train_rows, tokenizer, cfg)
     if trainer.ref_model is not None:  # guards the TRL behaviour this stage depends on
         raise RuntimeError("DPOTrainer built a reference model although cached reference log-probs were supplied")
     result = tr.train(trainer)

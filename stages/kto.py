@@ -18,6 +18,7 @@ Outputs: `model/`, `metrics.parquet`, `ref_logps.parquet` (a copy of the entry).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -32,8 +33,8 @@ from rlhf.logprobs import tokenize_pair
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import unpaired_examples
 from rlhf.runner import StageContext, StageResult
-from rlhf.training import TrainerRun, fetch_model, peft_config, trainer_kwargs
-from stages.ref_logprobs import reference_key, screen
+from rlhf.training import TrainerRun, fetch_model, trainer_kwargs
+from stages.ref_logprobs import TABLE, read_entry, reference_key, screen, write_entry
 
 KTO_REF_SCHEMA = pa.schema(
     [
@@ -43,7 +44,6 @@ KTO_REF_SCHEMA = pa.schema(
         pa.field("ref_KL_logps", pa.float64()),  # null for loss_type apo_zero_unpaired (no KL term)
     ]
 )
-TABLE = "ref_logps.parquet"
 COLUMNS = ("ref_logps", "ref_KL_logps")
 
 
@@ -52,6 +52,10 @@ class CachedRefKTOTrainer(KTOTrainer):
     with TRL's own `compute_ref_log_probs` without TRL's per-process datasets cache (we keep our own)."""
 
     ref_forward_batches = 0
+
+    def __init__(self, *args, on_ref_batch=None, **kwargs):
+        self.on_ref_batch = on_ref_batch  # (done, total) after each reference batch; set before TRL's init runs it
+        super().__init__(*args, **kwargs)
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         wanted = list(COLUMNS) if self.calculate_KL else ["ref_logps"]
@@ -68,6 +72,8 @@ class CachedRefKTOTrainer(KTOTrainer):
             logps += logp.double().cpu().tolist()
             kl_logps += kl_logp.double().cpu().tolist() if kl_logp is not None else [None] * len(logp)
             self.ref_forward_batches += 1
+            if self.on_ref_batch is not None:
+                self.on_ref_batch(self.ref_forward_batches, len(loader))
         dataset = dataset.add_column("ref_logps", logps)
         return dataset.add_column("ref_KL_logps", kl_logps) if self.calculate_KL else dataset
 
@@ -106,11 +112,11 @@ def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
 
     key = reference_key(init, rows, pcfg.model.dtype, [Path(__file__)], max_length=cfg.max_length,
                         kl_batch_size=cfg.per_device_batch_size if cfg.needs_kl() else None)
-    entry = ctx.store.path("_cache", "kto_ref_logprobs", key)
-    hit = ctx.store.read_json(f"{entry}/manifest.json") is not None
+    entry, cached = read_entry(ctx, "kto_ref_logprobs", key, KTO_REF_SCHEMA)
+    hit = cached is not None
     if hit:
         ctx.log.info("kto: reference cache hit %s: zero reference forward passes", key[:12])
-        rows = with_cache(rows, ctx.store.read_table(f"{entry}/{TABLE}", KTO_REF_SCHEMA))
+        rows = with_cache(rows, cached)
     model = load_causal_lm(str(init), pcfg.model)
 
     tr = TrainerRun.start(ctx)
@@ -123,22 +129,21 @@ def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
         undesirable_weight=cfg.undesirable_weight,
         precompute_ref_log_probs=True,  # with the override above: the cache, or one pass on the initial policy
     )
-    trainer = CachedRefKTOTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        peft_config=peft_config(cfg),
-        callbacks=tr.callbacks,
-    )
+    t0 = time.perf_counter()
+
+    def on_ref_batch(done: int, total: int) -> None:
+        elapsed = time.perf_counter() - t0
+        ctx.log.info("kto: reference log-probs, batch %d/%d, %.1f s/batch, ETA %.0fs", done, total, elapsed / done,
+                     elapsed / done * (total - done))
+
+    trainer = tr.build(CachedRefKTOTrainer, model, args, rows, tokenizer, cfg, on_ref_batch=on_ref_batch)
     if trainer.ref_model is not None:  # guards the TRL behaviour this stage depends on
         raise RuntimeError("KTOTrainer built a reference model although the reference log-probs are precomputed")
     table = to_table(trainer.train_dataset)
     if not hit:
         ctx.log.info("kto: reference log-probs of %d examples in %d batches, cached as %s",
                      table.num_rows, trainer.ref_forward_batches, key[:12])
-        ctx.store.write_table(f"{entry}/{TABLE}", table, KTO_REF_SCHEMA)
-        ctx.store.write_json(f"{entry}/manifest.json", {"key": key, "rows": table.num_rows, "run": pcfg.run.name})
+        write_entry(ctx, entry, key, table, KTO_REF_SCHEMA)
     ctx.store.write_table(ctx.path(TABLE), table, KTO_REF_SCHEMA)
 
     result = tr.train(trainer)

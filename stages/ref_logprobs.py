@@ -81,6 +81,19 @@ def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: 
     return reference_key(model_dir, rows, dtype, code, max_length=cfg.max_length, per_token=cfg.per_token)
 
 
+def read_entry(ctx, kind: str, key: str, schema: pa.Schema) -> tuple[str, pa.Table | None]:
+    """(entry path, its table) for a complete cache entry of `kind` (manifest present), else (path, None)."""
+    entry = ctx.store.path("_cache", kind, key)
+    if ctx.store.read_json(f"{entry}/manifest.json") is None:
+        return entry, None
+    return entry, ctx.store.read_table(f"{entry}/{TABLE}", schema)
+
+
+def write_entry(ctx, entry: str, key: str, table: pa.Table, schema: pa.Schema) -> None:
+    ctx.store.write_table(f"{entry}/{TABLE}", table, schema)
+    ctx.store.write_json(f"{entry}/manifest.json", {"key": key, "rows": table.num_rows, "run": ctx.cfg.run.name})  # last
+
+
 def screen(
     pairs: list[TokenizedPair], max_length: int, on_bad_row: str, log, noun: str = "preference pair"
 ) -> tuple[list[TokenizedPair], list[str]]:
@@ -127,11 +140,10 @@ def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
     pairs, problems = screen([tokenize_pair(tokenizer, r) for r in rows], cfg.max_length, pcfg.data.on_bad_row, ctx.log)
 
     key = cache_key(model_dir, rows, cfg, pcfg.model.dtype)
-    entry = ctx.store.path("_cache", "ref_logprobs", key)
+    entry, table = read_entry(ctx, "ref_logprobs", key, REF_LOGPS_SCHEMA)
     metrics = {"ref_logprobs/pairs": float(len(pairs)), "ref_logprobs/forward_batches": 0.0, "ref_logprobs/cache_hit": 1.0}
-    if ctx.store.read_json(f"{entry}/manifest.json") is not None:
+    if table is not None:
         ctx.log.info("ref_logprobs: cache hit %s: zero forward passes", key[:12])
-        table = ctx.store.read_table(f"{entry}/{TABLE}", REF_LOGPS_SCHEMA)
     else:
         model = load_causal_lm(str(model_dir), pcfg.model)
         t0, tokens = time.perf_counter(), [0]
@@ -150,8 +162,7 @@ def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
         metrics.update({"ref_logprobs/cache_hit": 0.0, "ref_logprobs/seconds": seconds,
                         "ref_logprobs/tokens_per_s": tokens[0] / seconds})
         table = to_table(pairs, out)
-        ctx.store.write_table(f"{entry}/{TABLE}", table, REF_LOGPS_SCHEMA)
-        ctx.store.write_json(f"{entry}/manifest.json", {"key": key, "rows": table.num_rows, "run": pcfg.run.name})
+        write_entry(ctx, entry, key, table, REF_LOGPS_SCHEMA)
     ctx.store.write_table(ctx.path(TABLE), table, REF_LOGPS_SCHEMA)
     return StageResult(
         outputs={"ref_logps": TABLE, "cache_entry": f"_cache/ref_logprobs/{key}"},

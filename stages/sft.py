@@ -7,7 +7,6 @@ Held-out greedy verifier accuracy of the base and the trained policy goes into t
 
 from __future__ import annotations
 
-from datasets import Dataset
 from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
@@ -17,7 +16,7 @@ from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import demonstrations
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
-from rlhf.training import TrainerRun, peft_config, trainer_kwargs
+from rlhf.training import TrainerRun, trainer_kwargs
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
@@ -40,14 +39,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
         completion_only_loss=cfg.completion_only_loss,
         packing=False,
     )
-    trainer = SFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        peft_config=peft_config(cfg),
-        callbacks=tr.callbacks,
-    )
+    trainer = tr.build(SFTTrainer, model, args, rows, tokenizer, cfg)
     result = tr.train(trainer)
     metrics["sft/train_loss"] = float(result.training_loss)
     metrics["sft/steps"] = float(trainer.state.global_step)
