@@ -272,6 +272,7 @@ class RLOptions(Placement):
     prompts_per_iteration: int = Field(8, ge=1)  # training prompts sampled per iteration
     epochs: int = Field(1, ge=1)  # K optimisation epochs over each batch of experience
     minibatch_size: int = Field(8, ge=1)  # rollouts per optimizer step; divides the rollouts per iteration
+    gradient_accumulation_steps: int = Field(1, ge=1)  # micro-batches per minibatch (same gradient, less memory)
     learning_rate: float = Field(1e-6, gt=0.0, lt=1.0)  # policy learning rate (AdamW; the critic uses it too)
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0)  # Schulman et al. 2017, eq. 7
     dual_clip: float | None = Field(None, gt=1.0)  # Ye et al. 2020: bound for negative advantages
@@ -299,6 +300,9 @@ class RLOptions(Placement):
     def _minibatch(self) -> RLOptions:
         if (self.reward_source == "function") != (self.reward_function is not None):
             raise ValueError("reward_function: set it exactly when reward_source is 'function' ('module:function')")
+        if self.minibatch_size % self.gradient_accumulation_steps:
+            raise ValueError(f"gradient_accumulation_steps: must divide minibatch_size ({self.minibatch_size}), "
+                             f"got {self.gradient_accumulation_steps}")
         n = self.rollouts_per_iteration()
         if n % self.minibatch_size:
             raise ValueError(

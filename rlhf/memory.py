@@ -139,9 +139,10 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
                 terms["gradients"] += critic["gradients"]
                 terms["optimizer"] += critic["optimizer"]
             terms["weights"] += frozen * s.params() * w  # reference (+ reward model)
-            terms["activations"] = activation_bytes(s, st.minibatch_size, seq, w, flash, st.gradient_checkpointing)
+            micro = st.minibatch_size // st.gradient_accumulation_steps
+            terms["activations"] = activation_bytes(s, micro, seq, w, flash, st.gradient_checkpointing)
             terms["activations"] *= 2 if stage == "ppo" else 1
-            terms["logits"] = logits_bytes(s, st.minibatch_size, seq, trained=True)
+            terms["logits"] = logits_bytes(s, micro, seq, trained=True)
             terms["kv_cache"] = 2 * s.layers * cfg.rollout.batch_size * seq * s.kv_dim * w
         else:  # inference stages: ref_logprobs, rollout, eval
             batch = {"ref_logprobs": 2 * cfg.ref_logprobs.batch_size}.get(stage, getattr(st, "batch_size", 16))

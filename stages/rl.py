@@ -302,47 +302,59 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
 
 def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: float, temperature: float) -> dict:
-    """K epochs over shuffled minibatches; token-level averaging within each minibatch."""
+    """K epochs over shuffled minibatches, one optimizer step each; token-level averaging within a
+    minibatch. With gradient_accumulation_steps > 1 a minibatch runs as that many micro-batches whose
+    losses are weighted by their share of its tokens: the same gradient as the whole minibatch at once."""
     sums: dict[str, float] = {}
     steps = 0
     g = torch.Generator().manual_seed(it)
-    policy.train()
-    if critic is not None:
-        critic.train()
+    models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
+    for model in models.values():
+        model.train()
     for _ in range(cfg.epochs):
         order = torch.randperm(len(batch.mask), generator=g)
         for start in range(0, len(order), cfg.minibatch_size):
             rows = order[start : start + cfg.minibatch_size]
-            mask = batch.mask[rows]
-            logp, logits = forward(policy, batch, rows, temperature)
-            pg, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
-                                              cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
-            loss = rl_math.masked_mean(pg, mask)
-            extra, extra_m = spec["extra_loss"](cfg, batch, rows, logp, mask, beta)
-            loss = loss + extra
-            entropy = rl_math.masked_mean(rl_math.entropy_from_logits(logits.detach()), mask)
-            if algo == "ppo" and cfg.entropy_coef > 0:
-                loss = loss - cfg.entropy_coef * rl_math.masked_mean(rl_math.entropy_from_logits(logits), mask)
-            guard(algo, it, "policy loss", loss.item())
-            guard(algo, it, "ratio", m["ratio_mean"].item())
-            optimizers["policy"].zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            optimizers["policy"].step()
-            step = {"policy_loss": loss.item(), "entropy": entropy.item(), **{k: v.item() for k, v in {**m, **extra_m}.items()}}
-            if critic is not None:
-                v = forward(critic, batch, rows, temperature, values=True)
-                vl = rl_math.masked_mean(rl_math.clipped_value_loss(v, batch.values[rows], batch.returns[rows], cfg.value_clip), mask)
-                guard(algo, it, "value loss", vl.item())
-                optimizers["critic"].zero_grad()
-                (cfg.vf_coef * vl).backward()
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-                optimizers["critic"].step()
-                step["value_loss"] = vl.item()
+            total = batch.mask[rows].sum().clamp(min=1)
+            for opt in optimizers.values():
+                opt.zero_grad()
+            step: dict[str, float] = {}
+            for micro in rows.chunk(cfg.gradient_accumulation_steps):
+                share = (batch.mask[micro].sum() / total).item()
+                for k, v in micro_step(algo, spec, cfg, it, models, batch, micro, beta, temperature, share).items():
+                    step[k] = step.get(k, 0.0) + share * v
+            for name, model in models.items():
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizers[name].step()
             for k, v in step.items():
                 sums[k] = sums.get(k, 0.0) + v
             steps += 1
     return {k: v / steps for k, v in sums.items()}
+
+
+def micro_step(algo, spec, cfg, it, models, batch: Batch, rows, beta: float, temperature: float, share: float) -> dict:
+    """Forward and backward of one micro-batch, its losses scaled by `share`; returns its unscaled metrics."""
+    mask = batch.mask[rows]
+    logp, logits = forward(models["policy"], batch, rows, temperature)
+    pg, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
+                                      cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
+    loss = rl_math.masked_mean(pg, mask)
+    extra, extra_m = spec["extra_loss"](cfg, batch, rows, logp, mask, beta)
+    loss = loss + extra
+    entropy = rl_math.masked_mean(rl_math.entropy_from_logits(logits.detach()), mask)
+    if algo == "ppo" and cfg.entropy_coef > 0:
+        loss = loss - cfg.entropy_coef * rl_math.masked_mean(rl_math.entropy_from_logits(logits), mask)
+    guard(algo, it, "policy loss", loss.item())
+    guard(algo, it, "ratio", m["ratio_mean"].item())
+    (share * loss).backward()
+    step = {"policy_loss": loss.item(), "entropy": entropy.item(), **{k: v.item() for k, v in {**m, **extra_m}.items()}}
+    if "critic" in models:
+        v = forward(models["critic"], batch, rows, temperature, values=True)
+        vl = rl_math.masked_mean(rl_math.clipped_value_loss(v, batch.values[rows], batch.returns[rows], cfg.value_clip), mask)
+        guard(algo, it, "value loss", vl.item())
+        (share * cfg.vf_coef * vl).backward()
+        step["value_loss"] = vl.item()
+    return step
 
 
 def write_iteration(ctx, it, algo, problems, gens, probs, batch: Batch, scores, metrics) -> None:

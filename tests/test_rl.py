@@ -162,3 +162,36 @@ def test_lora_policy_uses_its_base_as_reference_and_resumes(tiny_cfg, monkeypatc
         merged = load_bytes(f.read())
     name = next(k for k in merged if "q_proj.weight" in k)
     assert not (merged[name] == base[name]).all()  # the adapters were merged into the weights
+
+
+def test_gradient_accumulation_gives_the_same_gradient():
+    """A minibatch of 8 rollouts of different lengths as 1 or 4 micro-batches: the same accumulated
+    gradient (each micro-batch's token-mean loss weighted by its share of the minibatch's tokens)."""
+    import torch
+
+    from rlhf.config import GRPOConfig, ModelConfig
+    from rlhf.engine import Generation
+    from rlhf.models import load_causal_lm, resolve_model
+    from stages.rl import ALGORITHMS, build_batch, score_all, update
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 3, 5, 2, 8, 4, 6, 7]
+    gens = [Generation(i, 0, torch.randint(5, 1000, (n,), generator=g).tolist(), [-1.0] * n, "", "length")
+            for i, n in enumerate(lengths)]
+    prompts = [torch.randint(5, 1000, (3 + i % 3,), generator=g).tolist() for i in range(8)]
+    grads = {}
+    for acc in (1, 4):
+        model = load_causal_lm(resolve_model(ModelConfig(name="tiny")), ModelConfig(name="tiny"))
+        cfg = GRPOConfig(prompts_per_iteration=2, group_size=4, minibatch_size=8, gradient_accumulation_steps=acc,
+                         beta=0.0, max_grad_norm=1e9)
+        batch = build_batch(prompts, gens, 0)
+        batch.logp_old = score_all(model, batch, 1.0, 8) - 0.05 * batch.mask  # ratios away from 1
+        batch.advantages = torch.randn(8, 1, generator=torch.Generator().manual_seed(1)) * batch.mask
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # leaves the accumulated .grad in place
+        stats = update("grpo", ALGORITHMS["grpo"], cfg, 1, model, None, {"policy": optimizer}, batch, 0.0, 1.0)
+        grads[acc] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats)
+    (one, s1), (four, s4) = grads[1], grads[4]
+    assert one.keys() == four.keys() and any(v.abs().sum() > 0 for v in one.values())
+    for name in one:
+        torch.testing.assert_close(four[name], one[name], atol=1e-7, rtol=1e-4)
+    assert s4["policy_loss"] == pytest.approx(s1["policy_loss"], rel=1e-5)  # token-weighted micro-batch metrics
