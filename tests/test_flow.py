@@ -88,3 +88,30 @@ def test_run_refuses_bad_user_data_before_any_work(tmp_path):
     assert not store.exists()  # nothing ran, nothing was written
     dropped = run_cli("validate", "--profile", "tiny", "--set", f"data.prefs_path={prefs}", "--set", "data.on_bad_row=drop")
     assert dropped.returncode == 0 and "data.prefs_path: 1 usable rows, 1 dropped" in dropped.stdout
+
+
+def test_progress_reaches_a_prefect_progress_artifact():
+    """The stage loops' rlhf.progress reports become one progress artifact per stage run, updated to 100.
+    The flow here only hosts the listener; prefect_test_harness is a real temporary Prefect API."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.rlhf import ProgressArtifact
+    from rlhf import progress
+
+    @flow
+    def stage_like() -> str:
+        listener = ProgressArtifact(min_interval=0.0)
+        with progress.listening(listener):
+            for step in range(1, 5):
+                progress.report("sft", step, 4)
+        return str(listener.id)
+
+    with prefect_test_harness():
+        artifact_id = stage_like()
+        with get_client(sync_client=True) as client:
+            found = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
+    assert len(found) == 1 and found[0].type == "progress" and float(found[0].data) == 100.0
+    assert found[0].description == "stage sft"

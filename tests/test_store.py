@@ -108,34 +108,56 @@ def test_s3_credentials_never_reach_the_printable_url(s3_env):
     assert shown == f"{s3_env['url']}/r/sft" and "test" not in shown.replace(s3_env["bucket"], "")
 
 
-def test_storage_outage_fails_bounded_with_url_then_recovers(tmp_path, monkeypatch):
-    """A real SeaweedFS is stopped mid-use: operations fail after the configured attempts with a message
-    naming the URL (no credentials), quickly; once it is back, the same store reads what was committed."""
-    from conftest import start_weed, stop_weed, weed_ports
+def test_storage_outage_mid_stage_fails_bounded_then_rerun_resumes(tiny_cfg, tmp_path, monkeypatch):
+    """A real SeaweedFS is stopped while SFT trains on it, right after its first checkpoint is committed:
+    the stage fails within the configured attempts with a message naming the stage and the URL (no
+    credentials), leaves no manifest; once SeaweedFS is back, the rerun resumes from that checkpoint."""
+    import threading
+
+    from conftest import only, start_weed, stop_weed, weed_ports
+    from rlhf.runner import execute_stage
     from rlhf.store import StorageError
 
     ports = weed_ports()
-    proc, client = start_weed(tmp_path, ports)
+    (tmp_path / "weed").mkdir()
+    proc, client = start_weed(tmp_path / "weed", ports)
     try:
         client.create_bucket(Bucket="outage", CreateBucketConfiguration={"LocationConstraint": "us-west-1"})
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
-        cfg = StorageConfig(url="s3://outage/rlhf", endpoint_url=f"http://127.0.0.1:{ports['s3']}", attempts=3, backoff_seconds=0.2)
-        store = ArtifactStore(cfg)
-        store.write_manifest("r", "sft", {"key": "k1"})
+        cfg = tiny_cfg(*only("sft"), "sft.max_steps=16", "sft.save_steps=4", "sft.eval_prompts=0", "storage.attempts=3",
+                       "storage.backoff_seconds=0.2", f"storage.endpoint_url=http://127.0.0.1:{ports['s3']}",
+                       storage="s3://outage/rlhf")
+        outcome: dict = {}
+
+        def train() -> None:
+            try:
+                outcome["manifest"] = execute_stage(cfg, "sft")
+            except Exception as e:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = e
+
+        worker = threading.Thread(target=train)
+        worker.start()
+        deadline = time.time() + 300
+        while not any(o["Key"].endswith("/.complete") for o in
+                      client.list_objects_v2(Bucket="outage", Prefix="rlhf/tiny/sft/checkpoints/").get("Contents", [])):
+            assert time.time() < deadline and worker.is_alive(), "no SFT checkpoint was committed"
+            time.sleep(0.2)
         stop_weed(proc)
-
         t0 = time.perf_counter()
-        with pytest.raises(StorageError) as e:
-            store.write_json(store.stage_path("r", "sft", "x.json"), {"a": 1})
+        worker.join(timeout=300)
         elapsed = time.perf_counter() - t0
-        msg = str(e.value)
-        assert "storage write of s3://outage/rlhf/r/sft/x.json failed after 3 attempts" in msg
-        assert "s3cr3t" not in msg and elapsed < 60
-        with pytest.raises(StorageError, match="storage read of s3://outage/rlhf/r/sft/manifest.json"):
-            store.read_manifest("r", "sft")
+        err = outcome.get("error")
+        assert isinstance(err, StorageError), outcome
+        msg = str(err)
+        assert msg.startswith("stage 'sft' of run 'tiny': storage ") and "s3://outage/rlhf/tiny/sft/" in msg
+        assert "failed after 3 attempts" in msg and "s3cr3t" not in msg and elapsed < 60
 
-        proc, client = start_weed(tmp_path, ports)  # same data folder: what was committed is still there
-        assert ArtifactStore(cfg).read_manifest("r", "sft") == {"key": "k1"}
+        proc, client = start_weed(tmp_path / "weed", ports)  # same data folder: what was committed is still there
+        store = ArtifactStore(cfg.storage)
+        assert store.read_manifest("tiny", "sft") is None  # the failed attempt never looks complete
+        m = execute_stage(cfg, "sft")
+        assert m["status"] == "resumed" and m["resumed_from_step"] in (4, 8, 12)
+        assert store.require_manifest("tiny", "sft")["key"] == m["key"]
     finally:
         stop_weed(proc)
