@@ -11,6 +11,7 @@ import importlib
 import json
 import logging
 import platform
+import shutil
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -200,6 +201,9 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     ckpt = store.stage_path(run, stage, "checkpoints")
     if store.fs.exists(ckpt):
         store.fs.rm(ckpt, recursive=True)
+    # The local scratch (trainer output, downloaded inputs, copies on their way to the store) is worth
+    # nothing once the store holds the result; left behind it grows without bound on a long-lived worker.
+    shutil.rmtree(workdir, ignore_errors=True)
     status = "resumed" if result.resumed_from_step else "ran"
     log.info("%s: %s in %.1f s (key %s)", stage, status, seconds, key[:12])
     return {**manifest, "status": status}

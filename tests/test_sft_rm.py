@@ -34,6 +34,9 @@ def test_sft_loss_goes_down_and_outputs_are_complete(tiny_cfg):
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
     assert not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
     assert not store.fs.exists(store.stage_path("tiny", "sft", "checkpoints"))  # dropped once complete
+    from rlhf.models import home
+
+    assert not (home() / "work" / "tiny" / f"sft-{m['key'][:16]}").exists()  # local scratch too
     for key in ("key", "code_version", "packages", "seed", "rows", "timings", "inputs"):
         assert key in m
 
