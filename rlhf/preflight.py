@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rlhf.config import PipelineConfig
 from rlhf.runner import content_key, plan, stage_inputs
+from rlhf.store import ATTEMPT
 
 # Learning rates outside these ranges are usually a typo or a recipe from another method (a factor ~10
 # beyond what the papers and TRL's examples use for full fine-tuning; LoRA tolerates ~10x higher).
@@ -33,12 +34,10 @@ def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
     out = {}
     for stage, key in predicted_keys(cfg).items():
         manifest = store.read_manifest(cfg.run.name, stage)
-        attempt = store.read_json(store.stage_path(cfg.run.name, stage, "_attempt.json"))
+        attempt = store.read_json(store.stage_path(cfg.run.name, stage, ATTEMPT))
         if manifest is not None and manifest["key"] == key:
             out[stage] = f"skip (complete, key {key[:12]})"
-        elif attempt is not None and attempt.get("key") == key and store.fs.exists(
-            store.stage_path(cfg.run.name, stage, "checkpoints")
-        ):
+        elif attempt is not None and attempt.get("key") == key and store.complete_checkpoints(cfg.run.name, stage):
             out[stage] = "resume (checkpoints of this key)"
         else:
             out[stage] = "run" + (" (config or inputs changed: replaces the stored result)" if manifest else "")

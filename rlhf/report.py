@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from rlhf.config import STAGES
-from rlhf.store import ArtifactStore
+from rlhf.store import ATTEMPT, ArtifactStore
 from rlhf.training import METRICS_SCHEMA
 
 # Plotted first when present, in this order; other metrics follow up to MAX_PANELS per stage.
@@ -27,7 +27,7 @@ def stage_status(store: ArtifactStore, run: str, stage: str) -> tuple[str, dict 
     manifest = store.read_manifest(run, stage)
     if manifest is not None:
         return "complete", manifest
-    if store.read_json(store.stage_path(run, stage, "_attempt.json")) is not None:
+    if store.read_json(store.stage_path(run, stage, ATTEMPT)) is not None:
         return "incomplete (attempt started, no manifest)", None
     return "not run", None
 

@@ -22,7 +22,7 @@ from typing import Any
 from rlhf.config import PipelineConfig
 from rlhf.loader import ConfigError
 from rlhf.models import home, model_identity
-from rlhf.store import ATTEMPT, ArtifactStore, StorageError
+from rlhf.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
 
 log = logging.getLogger("rlhf.runner")
 
@@ -198,7 +198,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     store.write_manifest(run, stage, manifest)  # last: from here on the stage counts as complete
     # Checkpoints only serve to resume an incomplete stage; a complete one drops them (they hold the
     # optimizer state, several times the model's size).
-    ckpt = store.stage_path(run, stage, "checkpoints")
+    ckpt = store.stage_path(run, stage, CHECKPOINTS)
     if store.fs.exists(ckpt):
         store.fs.rm(ckpt, recursive=True)
     # The local scratch (trainer output, downloaded inputs, copies on their way to the store) is worth

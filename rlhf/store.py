@@ -25,6 +25,8 @@ from rlhf.config import StorageConfig, check_name
 
 MANIFEST = "manifest.json"
 ATTEMPT = "_attempt.json"
+CHECKPOINTS = "checkpoints"
+COMPLETE = ".complete"  # written last into a checkpoint folder: the copy finished
 
 
 class ArtifactMissing(Exception):
@@ -200,6 +202,13 @@ class ArtifactStore:
         return local
 
     @retrying("list")
+    def complete_checkpoints(self, run: str, stage: str) -> dict[int, str]:
+        """step -> folder name of each checkpoint of the stage whose COMPLETE marker exists. Names end in
+        their step or iteration number (`checkpoint-12`, `iter-000003`)."""
+        root = self.stage_path(run, stage, CHECKPOINTS)
+        return {int(name.rsplit("-", 1)[1]): name for name in self.list_dirs(root)
+                if self.fs.exists(posixpath.join(root, name, COMPLETE))}
+
     def list_dirs(self, path: str) -> list[str]:
         if not self.fs.exists(path):
             return []

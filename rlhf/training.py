@@ -26,9 +26,8 @@ from transformers.trainer_callback import PrinterCallback
 
 from rlhf import progress
 from rlhf.config import TrainerOptions
+from rlhf.store import CHECKPOINTS, COMPLETE
 
-CHECKPOINTS = "checkpoints"
-COMPLETE = ".complete"
 # Long format so DuckDB can pivot any metric: one row per (step, metric).
 METRICS_SCHEMA = pa.schema(
     [
@@ -174,11 +173,9 @@ def store_checkpoint(ctx, local: Path, name: str) -> str:
 
 
 def latest_checkpoint(ctx) -> tuple[int, Path] | None:
-    """Downloads the newest complete checkpoint of this stage into scratch; None when there is none.
-    Names end in their step or iteration number (`checkpoint-12`, `iter-000003`)."""
+    """Downloads the newest complete checkpoint of this stage into scratch; None when there is none."""
     store = ctx.store
-    done = {int(name.rsplit("-", 1)[1]): name for name in store.list_dirs(ctx.path(CHECKPOINTS))
-            if store.fs.exists(ctx.path(CHECKPOINTS, name, COMPLETE))}
+    done = store.complete_checkpoints(ctx.cfg.run.name, ctx.stage)
     if not done:
         return None
     step = max(done)
