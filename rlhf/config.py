@@ -146,6 +146,15 @@ class LoraConfig(Strict):
     target_modules: str | list[str] = "all-linear"  # 'all-linear' or module names
 
 
+class LaunchConfig(Strict):
+    """Processes of one stage on one node (torchrun). The world size changes the global batch
+    (per_device_batch_size x processes x gradient_accumulation_steps), so it is part of the content key."""
+
+    processes: int = Field(1, ge=1)  # data-parallel processes; gloo on CPU, nccl on GPUs
+    # ddp: replicated weights; fsdp: fully sharded (GPUs); deepspeed_zero3: DeepSpeed ZeRO-3 (GPUs, deepspeed installed)
+    strategy: Literal["ddp", "fsdp", "deepspeed_zero3"] = "ddp"
+
+
 class TrainerOptions(Placement):
     """Options shared by the Trainer-based stages (SFT, reward model, DPO)."""
 
@@ -165,6 +174,7 @@ class TrainerOptions(Placement):
     save_steps: int = Field(50, ge=1)  # checkpoint (mirrored to the store) every N optimizer steps
     logging_steps: int = Field(5, ge=1)  # metrics row and progress line every N steps
     lora: LoraConfig = LoraConfig()
+    launch: LaunchConfig = LaunchConfig()  # several processes for this stage (rlhf/launch.py)
 
     @model_validator(mode="after")
     def _steps(self) -> TrainerOptions:
@@ -254,6 +264,15 @@ class KTOConfig(TrainerOptions):
     def needs_kl(self) -> bool:
         return self.loss_type == "kto"
 
+    @field_validator("launch")
+    @classmethod
+    def _one_process(cls, v: LaunchConfig) -> LaunchConfig:
+        # TRL fills KTO's reference columns per rank inside its own preprocessing, which our cache
+        # override replaces; a sharded fill is not written yet.
+        if v.processes > 1:
+            raise ValueError(f"processes: KTO runs in one process in this version, got {v.processes}")
+        return v
+
     @model_validator(mode="after")
     def _kl_batch(self) -> KTOConfig:
         if self.needs_kl() and self.per_device_batch_size < 2:
@@ -289,6 +308,8 @@ class RLOptions(Placement):
     lora: LoraConfig = LoraConfig()
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
     eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+    # several processes: rollouts sharded by engine batch, gradients summed across ranks (ddp only)
+    launch: LaunchConfig = LaunchConfig()
 
     def rollouts_per_iteration(self) -> int:
         return self.prompts_per_iteration * self.samples_per_prompt()
@@ -303,6 +324,12 @@ class RLOptions(Placement):
         if self.minibatch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps: must divide minibatch_size ({self.minibatch_size}), "
                              f"got {self.gradient_accumulation_steps}")
+        if self.launch.strategy != "ddp":
+            raise ValueError(f"launch.strategy: the RL loop shards data only ('ddp'), got {self.launch.strategy!r}")
+        if self.minibatch_size % (self.gradient_accumulation_steps * self.launch.processes):
+            raise ValueError(f"launch.processes: each rank needs a micro-batch: gradient_accumulation_steps x processes "
+                             f"({self.gradient_accumulation_steps} x {self.launch.processes}) must divide minibatch_size "
+                             f"({self.minibatch_size})")
         n = self.rollouts_per_iteration()
         if n % self.minibatch_size:
             raise ValueError(

@@ -32,7 +32,7 @@ class Generation:
 
 
 class Engine(Protocol):
-    def generate(self, prompts: list[list[dict]], params: SamplingParams) -> list[Generation]: ...
+    def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1)) -> list[Generation]: ...
 
 
 class HFEngine:
@@ -40,9 +40,12 @@ class HFEngine:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[dict]], params: SamplingParams, on_batch=None) -> list[Generation]:
+    def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1),
+                 on_batch=None) -> list[Generation]:
         """Generations ordered by (prompt, sample). Batches are seeded by (seed, batch index), so the same
-        params reproduce the same samples whatever ran before."""
+        params reproduce the same samples whatever ran before. `shard=(rank, world)` generates only the
+        batches b with b % world == rank, each with its one-process seed: the union over ranks is exactly
+        the one-process output."""
         tok, model = self.tokenizer, self.model
         was_training, side = model.training, tok.padding_side
         model.eval()
@@ -51,6 +54,8 @@ class HFEngine:
         out: list[Generation] = []
         try:
             for b, start in enumerate(range(0, len(jobs), self.batch_size)):
+                if b % shard[1] != shard[0]:
+                    continue
                 chunk = jobs[start : start + self.batch_size]
                 texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True) for i, _ in chunk]
                 enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)

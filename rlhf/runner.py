@@ -172,8 +172,10 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     workdir = home() / "work" / run / f"{stage}-{key[:16]}"
     ctx = StageContext(cfg, store, stage, key, inputs, workdir, stage_log)
     started, t0 = _now(), time.perf_counter()
+    from rlhf.launch import run_stage  # imports this module
+
     try:
-        result: StageResult = module.run(cfg.stage(stage), ctx)
+        result: StageResult = run_stage(module, cfg.stage(stage), ctx)
     except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
         raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
     seconds = time.perf_counter() - t0

@@ -24,8 +24,8 @@ import transformers
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from rlhf import progress
-from rlhf.config import TrainerOptions
+from rlhf import dist, progress
+from rlhf.config import LaunchConfig, TrainerOptions
 from rlhf.store import CHECKPOINTS, COMPLETE
 
 # Long format so DuckDB can pivot any metric: one row per (step, metric).
@@ -85,7 +85,22 @@ def trainer_kwargs(opts: TrainerOptions, output_dir: Path, seed: int, dtype: str
         "data_seed": seed,
         "dataloader_num_workers": 0,
         "include_num_input_tokens_seen": True,
+        **strategy_kwargs(opts.launch, opts.gradient_checkpointing),
     }
+
+
+def strategy_kwargs(launch: LaunchConfig, checkpointing: bool) -> dict[str, Any]:
+    """TrainingArguments for the sharded strategies; DDP needs none (accelerate reads torchrun's env).
+    Both are GPU-only and refused earlier on a worker without CUDA (rlhf/launch.py)."""
+    if launch.strategy == "fsdp":
+        return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"activation_checkpointing": checkpointing}}
+    if launch.strategy == "deepspeed_zero3":
+        return {"deepspeed": {
+            "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_gather_16bit_weights_on_model_save": True},
+            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        }}
+    return {}
 
 
 def peft_config(opts: TrainerOptions, task_type: str = "CAUSAL_LM"):
@@ -150,6 +165,9 @@ class MirrorCheckpoints(TrainerCallback):
         self.crash_at = int(step) if stage == ctx.stage and step.isdigit() else None
 
     def on_save(self, args, state, control, **kw):
+        dist.barrier()  # every rank has written its part (RNG state) of the local checkpoint
+        if not dist.is_main():
+            return
         step = state.global_step
         remote = store_checkpoint(self.ctx, self.output_dir / f"checkpoint-{step}", f"checkpoint-{step}")
         self.ctx.log.info("%s: checkpoint at step %d saved to %s", self.ctx.stage, step, self.ctx.store.url(remote))
@@ -175,25 +193,32 @@ def store_checkpoint(ctx, local: Path, name: str) -> str:
 def latest_checkpoint(ctx) -> tuple[int, Path] | None:
     """Downloads the newest complete checkpoint of this stage into scratch; None when there is none."""
     store = ctx.store
-    done = store.complete_checkpoints(ctx.cfg.run.name, ctx.stage)
-    if not done:
-        return None
-    step = max(done)
-    local = ctx.workdir / "resume" / done[step]
-    shutil.rmtree(local, ignore_errors=True)
-    store.get_dir(ctx.path(CHECKPOINTS, done[step]), local)
-    return step, local
+    found = None
+    if dist.is_main():  # one download into the scratch the ranks share; all resume from it
+        done = store.complete_checkpoints(ctx.cfg.run.name, ctx.stage)
+        if done:
+            step = max(done)
+            local = ctx.workdir / "resume" / done[step]
+            shutil.rmtree(local, ignore_errors=True)
+            store.get_dir(ctx.path(CHECKPOINTS, done[step]), local)
+            found = (step, str(local))
+    found = dist.broadcast(found)
+    return (found[0], Path(found[1])) if found else None
 
 
 def fresh_output_dir(ctx) -> Path:
     out = ctx.workdir / "trainer"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if dist.is_main():
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+    dist.barrier()
     return out
 
 
 def publish_model(ctx, model, tokenizer, name: str = "model") -> str:
     """Save a full HF folder (LoRA adapters merged) with safetensors, then copy it into the store."""
+    if not dist.is_main():
+        return name
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     local = ctx.workdir / name
@@ -210,13 +235,16 @@ def fetch_model(ctx, stage: str, output: str = "model") -> str:
     if ctx.store.is_local:
         return ctx.input_path(stage, output)
     local = ctx.workdir / "inputs" / stage
-    shutil.rmtree(local, ignore_errors=True)
-    ctx.store.get_dir(ctx.input_path(stage, output), local)
+    if dist.is_main():  # one download into the scratch the ranks share
+        shutil.rmtree(local, ignore_errors=True)
+        ctx.store.get_dir(ctx.input_path(stage, output), local)
+    dist.barrier()
     return str(local)
 
 
 def write_metrics(ctx, table: pa.Table, name: str = "metrics.parquet") -> str:
-    ctx.store.write_table(ctx.path(name), table, METRICS_SCHEMA)
+    if dist.is_main():
+        ctx.store.write_table(ctx.path(name), table, METRICS_SCHEMA)
     return name
 
 
@@ -271,7 +299,7 @@ class TrainerRun:
         trained = trainer.model.merge_and_unload() if opts.lora.enabled else trainer.model
         task = Task(ctx.cfg.data)
         held_out = task.eval[: opts.eval_prompts]
-        if held_out:
+        if held_out and dist.is_main():
             metrics[f"{ctx.stage}/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, opts.eval_max_new_tokens)
             ctx.log.info("%s: trained policy held-out accuracy %.3f", ctx.stage, metrics[f"{ctx.stage}/accuracy"])
         return {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, self.progress.table())}

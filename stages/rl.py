@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import torch
+from trl.trainer.utils import disable_dropout_in_model
 
-from rlhf import progress, rl_math
+from rlhf import dist, progress, rl_math
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.generation import verifier_accuracy
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
@@ -111,9 +112,15 @@ def forward(model, batch: Batch, rows, temperature: float, values: bool = False)
 
 @torch.no_grad()
 def score_all(model, batch: Batch, temperature: float, size: int, values: bool = False) -> torch.Tensor:
+    """Log-probs (or values) of every row, [B, T]. With several ranks each scores a contiguous share of
+    the rows and the shares are gathered, so every rank holds the whole batch's numbers."""
     model.eval()
-    chunks = [forward(model, batch, slice(i, i + size), temperature, values) for i in range(0, len(batch.mask), size)]
-    return torch.cat([c if values else c[0] for c in chunks]) * batch.mask
+    rows, world = len(batch.mask), dist.world_size()
+    per = -(-rows // world)
+    lo, hi = min(dist.rank() * per, rows), min((dist.rank() + 1) * per, rows)
+    chunks = [forward(model, batch, slice(i, min(i + size, hi)), temperature, values) for i in range(lo, hi, size)]
+    mine = torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
+    return torch.cat([part.cpu() for part in dist.all_gather(mine)]) * batch.mask
 
 
 # ---- algorithm table ------------------------------------------------------------------------------
@@ -236,9 +243,16 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         from transformers import AutoModelForTokenClassification
 
         base = fetch_model(ctx, "reward_model") if cfg.critic_init == "reward_model" else init
+        torch.manual_seed(pcfg.run.seed)  # the value head is randomly initialised: the same seed, the same head
         critic = AutoModelForTokenClassification.from_pretrained(str(resume / "critic") if resume else base, num_labels=1,
                                                                  dtype=torch_dtype(pcfg.model.dtype))
         critic.config.pad_token_id = tok.pad_token_id
+    for model in (policy, critic):
+        if model is not None:
+            # No dropout (TRL's PPO does the same): the ratio pi/pi_old and the value loss must compare one
+            # function, not two random masks; it also keeps a sharded run equal to a one-process run.
+            disable_dropout_in_model(model)
+            dist.broadcast_parameters(model)  # identical replicas on every rank, as DDP would make them
     if cfg.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         if cfg.lora.enabled:  # frozen embeddings: checkpointed blocks need inputs that require grad
@@ -264,12 +278,11 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
         problems = rng.sample(task.train, cfg.prompts_per_iteration)
         params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, n_samples, pcfg.run.seed * 7919 + it)
-        gens = engine.generate([[user(p.question)] for p in problems], params)
+        gens, scores = generate_and_score(engine, problems, params, reward)
         probs = [problems[g.prompt_index] for g in gens]
         prompt_ids = [list(tok.apply_chat_template([user(p.question)], tokenize=True, add_generation_prompt=True,
                                                    return_dict=True)["input_ids"]) for p in probs]
         batch = build_batch(prompt_ids, gens, tok.pad_token_id)
-        scores = reward(probs, gens)
         batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
         if use_ref:
             batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
@@ -288,12 +301,13 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         metrics = {"reward_mean": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
                    "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
                    "tokens_per_s": tokens / seconds, "seconds": seconds, **stats}
-        write_iteration(ctx, it, algo, problems, gens, probs, batch, scores, metrics)
+        if dist.is_main():
+            write_iteration(ctx, it, algo, problems, gens, probs, batch, scores, metrics)
         eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
         progress.report(ctx.stage, it, cfg.iterations)
         ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
                      metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
-        if it % cfg.save_every == 0 or it == cfg.iterations:
+        if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
             save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
         if os.environ.get(CRASH_ENV) == f"{algo}:{it}":  # test hook, as in the Trainer stages
             raise InjectedCrash(f"{algo}: injected crash after iteration {it} ({CRASH_ENV})")
@@ -301,10 +315,23 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     return finish(algo, cfg, ctx, policy, tok, task, first)
 
 
+def generate_and_score(engine, problems, params: SamplingParams, reward) -> tuple[list, torch.Tensor]:
+    """Samples and rewards of the iteration, ordered by (prompt, sample). Each rank generates and scores
+    its share of the engine's batches (the engine seeds each batch by its global index, so the union
+    is the one-process output) and the shares are gathered: advantages always see whole groups."""
+    mine = engine.generate([[user(p.question)] for p in problems], params, shard=(dist.rank(), dist.world_size()))
+    mine_scores = reward([problems[g.prompt_index] for g in mine], mine).tolist() if mine else []
+    pairs = sorted((pair for part in dist.all_gather(list(zip(mine, mine_scores))) for pair in part),
+                   key=lambda pair: (pair[0].prompt_index, pair[0].sample_index))
+    return [g for g, _ in pairs], torch.tensor([score for _, score in pairs])
+
+
 def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: float, temperature: float) -> dict:
     """K epochs over shuffled minibatches, one optimizer step each; token-level averaging within a
     minibatch. With gradient_accumulation_steps > 1 a minibatch runs as that many micro-batches whose
-    losses are weighted by their share of its tokens: the same gradient as the whole minibatch at once."""
+    losses are weighted by their share of its tokens: the same gradient as the whole minibatch at once.
+    With several ranks the minibatch splits into accumulation steps x ranks micro-batches, rank r takes
+    every r-th, and the gradients (and the share-weighted metrics) are summed across ranks."""
     sums: dict[str, float] = {}
     steps = 0
     g = torch.Generator().manual_seed(it)
@@ -319,11 +346,15 @@ def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: 
             for opt in optimizers.values():
                 opt.zero_grad()
             step: dict[str, float] = {}
-            for micro in rows.chunk(cfg.gradient_accumulation_steps):
+            world = dist.world_size()
+            for micro in rows.chunk(cfg.gradient_accumulation_steps * world)[dist.rank() :: world]:
                 share = (batch.mask[micro].sum() / total).item()
                 for k, v in micro_step(algo, spec, cfg, it, models, batch, micro, beta, temperature, share).items():
                     step[k] = step.get(k, 0.0) + share * v
+            if world > 1:
+                step = {k: sum(part[k] for part in dist.all_gather(step)) for k in step}
             for name, model in models.items():
+                dist.sum_gradients([p for p in model.parameters() if p.requires_grad])
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizers[name].step()
             for k, v in step.items():
@@ -373,6 +404,8 @@ def write_iteration(ctx, it, algo, problems, gens, probs, batch: Batch, scores, 
 
 
 def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
+    if not dist.is_main():  # rank 0 evaluates and publishes; the launcher uses its result only
+        return StageResult(outputs={})
     tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in sorted(ctx.store.fs.glob(ctx.path("iterations", "*.parquet")))]
     table = pa.concat_tables(tables)
     last = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == cfg.iterations}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
+from rlhf import dist
 from rlhf.config import SFTConfig
 from rlhf.generation import verifier_accuracy
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
@@ -28,7 +29,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     task = Task(pcfg.data)
     held_out = task.eval[: cfg.eval_prompts]
     metrics: dict[str, float] = {}
-    if held_out:
+    if held_out and dist.is_main():
         metrics["sft/base_accuracy"] = verifier_accuracy(model, tokenizer, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("sft: base model held-out accuracy %.3f on %d prompts", metrics["sft/base_accuracy"], len(held_out))
 

@@ -6,7 +6,7 @@ Faults, as a cluster has them: the gpu pool's worker is SIGKILLed (with its flow
 during SFT and once during GRPO, each time after a checkpoint landed. The lost stage run is marked
 Crashed by the heartbeat automation, the pipeline run fails, no stage without a manifest counts as
 complete, `rlhf up` restarts the worker; a new deployment run resumes SFT from its checkpoint, and
-`prefect flow-run retry` of the second failed run resumes GRPO. A last run skips every stage.
+`prefect flow-run retry` of the second failed run resumes GRPO, and every stage ends complete.
 `rlhf down` stops everything it started (also when the test fails)."""
 
 from __future__ import annotations
@@ -128,11 +128,7 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
         assert all(f"{s}: skipped, complete with key {k[:12]}" in gpu_log() for s, k in done.items())
         keys = {s: store.require_manifest("tiny", s)["key"] for s in STAGES}  # every stage complete, in S3
         assert {s: keys[s] for s in done} == done
-
-        # 4. A fresh run of the same name skips every stage.
-        last = subprocess.run(deployment_run, capture_output=True, text=True, timeout=900, cwd=REPO, env=os.environ)
-        assert last.returncode == 0 and "Completed" in last.stdout, last.stdout[-3000:] + last.stderr[-3000:]
-        assert all(f"{s}: skipped, complete with key {keys[s][:12]}" in gpu_log()[-20000:] for s in STAGES)
+        # (A fresh run that skips every stage is tests/test_flow.py's first test; not repeated here.)
     finally:
         down = run_cli("down", "--state-dir", str(state))
     assert down.returncode == 0, down.stderr
