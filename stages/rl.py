@@ -28,7 +28,7 @@ from trl.trainer.utils import disable_dropout_in_model
 from rlhf import dist, progress, rl_math
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.generation import verifier_accuracy
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
+from rlhf.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.rewards import import_reward_function, reward_model_scores
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task, assistant, user
@@ -78,6 +78,12 @@ class Batch:
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] (PPO)
 
+    def to(self, device) -> Batch:
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
     @property
     def prompt_width(self) -> int:
         return self.input_ids.shape[1] - self.mask.shape[1]
@@ -120,7 +126,7 @@ def score_all(model, batch: Batch, temperature: float, size: int, values: bool =
     lo, hi = min(dist.rank() * per, rows), min((dist.rank() + 1) * per, rows)
     chunks = [forward(model, batch, slice(i, min(i + size, hi)), temperature, values) for i in range(lo, hi, size)]
     mine = torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
-    return torch.cat([part.cpu() for part in dist.all_gather(mine)]) * batch.mask
+    return torch.cat([part.to(batch.mask.device) for part in dist.all_gather(mine.cpu())]) * batch.mask
 
 
 # ---- algorithm table ------------------------------------------------------------------------------
@@ -157,7 +163,8 @@ def make_reward(cfg, ctx: StageContext, task: Task):
         from transformers import AutoModelForSequenceClassification
 
         path = fetch_model(ctx, "reward_model")
-        rm = (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype)), load_tokenizer(path))
+        rm = (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype)).to(ctx_device()),
+              load_tokenizer(path))
     fn = import_reward_function(cfg.reward_function) if cfg.reward_source == "function" else None
 
     def reward(problems, gens) -> torch.Tensor:
@@ -181,10 +188,10 @@ def load_policy(cfg, init: str, resume: Path | None, model_cfg):
     """The trained policy: full weights, or (lora.enabled) the init model with LoRA adapters (Hu et al.
     2021); a resume loads the checkpoint's weights or adapters."""
     if not cfg.lora.enabled:
-        return load_causal_lm(str(resume / "policy") if resume else init, model_cfg)
+        return load_causal_lm(str(resume / "policy") if resume else init, model_cfg, trained=True)
     from peft import PeftModel, get_peft_model
 
-    base = load_causal_lm(init, model_cfg)
+    base = load_causal_lm(init, model_cfg)  # frozen: stays in the compute dtype under mixed precision
     if resume:
         return PeftModel.from_pretrained(base, str(resume / "policy"), is_trainable=True)
     return get_peft_model(base, peft_config(cfg))
@@ -234,10 +241,11 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     found = latest_checkpoint(ctx)
     resume = found[1] if found else None
     tok = load_tokenizer(init)
-    policy = load_policy(cfg, init, resume, pcfg.model)
+    device = ctx_device()
+    policy = load_policy(cfg, init, resume, pcfg.model).to(device)
     use_ref = (cfg.beta if algo == "grpo" else cfg.kl.beta) > 0 or (algo == "ppo" and cfg.kl.mode == "adaptive")
     # With LoRA the reference is the policy with its adapters off (`reference_logps`): no second model.
-    ref = load_causal_lm(init, pcfg.model).eval().requires_grad_(False) if use_ref and not cfg.lora.enabled else None
+    ref = load_causal_lm(init, pcfg.model).to(device).eval().requires_grad_(False) if use_ref and not cfg.lora.enabled else None
     critic = None
     if spec["critic"]:
         from transformers import AutoModelForTokenClassification
@@ -245,7 +253,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         base = fetch_model(ctx, "reward_model") if cfg.critic_init == "reward_model" else init
         torch.manual_seed(pcfg.run.seed)  # the value head is randomly initialised: the same seed, the same head
         critic = AutoModelForTokenClassification.from_pretrained(str(resume / "critic") if resume else base, num_labels=1,
-                                                                 dtype=torch_dtype(pcfg.model.dtype))
+                                                                 dtype=torch_dtype(weights_dtype(pcfg.model, True))).to(device)
         critic.config.pad_token_id = tok.pad_token_id
     for model in (policy, critic):
         if model is not None:
@@ -278,22 +286,26 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
         problems = rng.sample(task.train, cfg.prompts_per_iteration)
         params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, n_samples, pcfg.run.seed * 7919 + it)
-        gens, scores = generate_and_score(engine, problems, params, reward)
+        with autocast(pcfg.model, device.type):
+            gens, scores = generate_and_score(engine, problems, params, reward)
+        scores = scores.to(device)
         probs = [problems[g.prompt_index] for g in gens]
         prompt_ids = [list(tok.apply_chat_template([user(p.question)], tokenize=True, add_generation_prompt=True,
                                                    return_dict=True)["input_ids"]) for p in probs]
-        batch = build_batch(prompt_ids, gens, tok.pad_token_id)
-        batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
-        if use_ref:
-            batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
-        if critic is not None:
-            batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
+        batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
+        with autocast(pcfg.model, device.type):
+            batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
+            if use_ref:
+                batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
+            if critic is not None:
+                batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
         spec["advantages"](cfg, batch, scores, state["beta"])
         kl_seq = ((rl_math.kl_k1(batch.logp_old, batch.logp_ref) * batch.mask).sum(1).mean().item()
                   if batch.logp_ref is not None else 0.0)
         guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
 
-        stats = update(algo, spec, cfg, it, policy, critic, optimizers, batch, state["beta"], roll.temperature)
+        stats = update(algo, spec, cfg, it, policy, critic, optimizers, batch, state["beta"], roll.temperature,
+                       lambda: autocast(pcfg.model, device.type))
         if algo == "ppo" and cfg.kl.mode == "adaptive":
             state["beta"] = rl_math.adaptive_kl_beta(state["beta"], kl_seq, cfg.kl.target, cfg.kl.horizon, len(gens))
         tokens = int(batch.mask.sum())
@@ -315,6 +327,13 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     return finish(algo, cfg, ctx, policy, tok, task, first)
 
 
+def ctx_device() -> torch.device:
+    """This rank's GPU when there is one (torchrun's LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def generate_and_score(engine, problems, params: SamplingParams, reward) -> tuple[list, torch.Tensor]:
     """Samples and rewards of the iteration, ordered by (prompt, sample). Each rank generates and scores
     its share of the engine's batches (the engine seeds each batch by its global index, so the union
@@ -326,7 +345,7 @@ def generate_and_score(engine, problems, params: SamplingParams, reward) -> tupl
     return [g for g, _ in pairs], torch.tensor([score for _, score in pairs])
 
 
-def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: float, temperature: float) -> dict:
+def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: float, temperature: float, amp) -> dict:
     """K epochs over shuffled minibatches, one optimizer step each; token-level averaging within a
     minibatch. With gradient_accumulation_steps > 1 a minibatch runs as that many micro-batches whose
     losses are weighted by their share of its tokens: the same gradient as the whole minibatch at once.
@@ -349,7 +368,7 @@ def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: 
             world = dist.world_size()
             for micro in rows.chunk(cfg.gradient_accumulation_steps * world)[dist.rank() :: world]:
                 share = (batch.mask[micro].sum() / total).item()
-                for k, v in micro_step(algo, spec, cfg, it, models, batch, micro, beta, temperature, share).items():
+                for k, v in micro_step(algo, spec, cfg, it, models, batch, micro, beta, temperature, share, amp).items():
                     step[k] = step.get(k, 0.0) + share * v
             if world > 1:
                 step = {k: sum(part[k] for part in dist.all_gather(step)) for k in step}
@@ -363,10 +382,13 @@ def update(algo, spec, cfg, it, policy, critic, optimizers, batch: Batch, beta: 
     return {k: v / steps for k, v in sums.items()}
 
 
-def micro_step(algo, spec, cfg, it, models, batch: Batch, rows, beta: float, temperature: float, share: float) -> dict:
-    """Forward and backward of one micro-batch, its losses scaled by `share`; returns its unscaled metrics."""
+def micro_step(algo, spec, cfg, it, models, batch: Batch, rows, beta: float, temperature: float, share: float,
+               amp) -> dict:
+    """Forward and backward of one micro-batch, its losses scaled by `share`; returns its unscaled metrics.
+    `amp()` is the mixed-precision context: forward passes only, backward outside it (PyTorch's advice)."""
     mask = batch.mask[rows]
-    logp, logits = forward(models["policy"], batch, rows, temperature)
+    with amp():
+        logp, logits = forward(models["policy"], batch, rows, temperature)
     pg, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
                                       cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
     loss = rl_math.masked_mean(pg, mask)
@@ -380,7 +402,8 @@ def micro_step(algo, spec, cfg, it, models, batch: Batch, rows, beta: float, tem
     (share * loss).backward()
     step = {"policy_loss": loss.item(), "entropy": entropy.item(), **{k: v.item() for k, v in {**m, **extra_m}.items()}}
     if "critic" in models:
-        v = forward(models["critic"], batch, rows, temperature, values=True)
+        with amp():
+            v = forward(models["critic"], batch, rows, temperature, values=True)
         vl = rl_math.masked_mean(rl_math.clipped_value_loss(v, batch.values[rows], batch.returns[rows], cfg.value_clip), mask)
         guard(algo, it, "value loss", vl.item())
         (share * cfg.vf_coef * vl).backward()

@@ -25,7 +25,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     rows, dropped = demonstrations(pcfg.data, ctx.log)
     base = resolve_model(pcfg.model)
     tokenizer = load_tokenizer(base)
-    model = load_causal_lm(base, pcfg.model)
+    model = load_causal_lm(base, pcfg.model, trained=not cfg.lora.enabled)
     task = Task(pcfg.data)
     held_out = task.eval[: cfg.eval_prompts]
     metrics: dict[str, float] = {}

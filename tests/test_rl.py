@@ -12,11 +12,13 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
 from conftest import only
+from rlhf.models import load_causal_lm
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
 from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
@@ -188,10 +190,39 @@ def test_gradient_accumulation_gives_the_same_gradient():
         batch.logp_old = score_all(model, batch, 1.0, 8) - 0.05 * batch.mask  # ratios away from 1
         batch.advantages = torch.randn(8, 1, generator=torch.Generator().manual_seed(1)) * batch.mask
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # leaves the accumulated .grad in place
-        stats = update("grpo", ALGORITHMS["grpo"], cfg, 1, model, None, {"policy": optimizer}, batch, 0.0, 1.0)
+        stats = update("grpo", ALGORITHMS["grpo"], cfg, 1, model, None, {"policy": optimizer}, batch, 0.0, 1.0, nullcontext)
         grads[acc] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats)
     (one, s1), (four, s4) = grads[1], grads[4]
     assert one.keys() == four.keys() and any(v.abs().sum() > 0 for v in one.values())
     for name in one:
         torch.testing.assert_close(four[name], one[name], atol=1e-7, rtol=1e-4)
     assert s4["policy_loss"] == pytest.approx(s1["policy_loss"], rel=1e-5)  # token-weighted micro-batch metrics
+
+
+def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_cfg, monkeypatch):
+    """model.mixed_precision: the trained policy (and so its optimizer states) in float32, the frozen
+    reference in bfloat16, forward passes under bf16 autocast (CPU autocast here, CUDA on GPUs)."""
+    import torch
+
+    import stages.rl as rl
+
+    loaded = []
+
+    def recording(path, model_cfg, trained=False):
+        model = load_causal_lm(path, model_cfg, trained)
+        loaded.append((trained, next(model.parameters()).dtype))
+        return model
+
+    monkeypatch.setattr(rl, "load_causal_lm", recording)
+    cfg = rl_cfg(tiny_cfg, "grpo", "model.dtype=bfloat16", "model.mixed_precision=true", "grpo.iterations=2",
+                 "grpo.prompts_per_iteration=2", "grpo.minibatch_size=8")
+    execute_stage(cfg, "grpo")
+    assert loaded == [(True, torch.float32), (False, torch.bfloat16)]  # policy, then reference
+    store = ArtifactStore(cfg.storage)
+    with store.fs.open(store.stage_path(cfg.run.name, "grpo", "model", "model.safetensors"), "rb") as f:
+        from safetensors.torch import load as load_safetensors
+
+        assert {t.dtype for t in load_safetensors(f.read()).values()} == {torch.float32}
+    kl = [r["value"] for r in store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
+          if r["name"] == "kl" and r["step"] == 1]
+    assert 0 <= kl[0] < 0.1  # bf16 rounding of the same weights, not two different models
