@@ -7,9 +7,11 @@ figure is a ratio from that one run (ours / peer, side by side on the same machi
   grpo_vs_trl     our GRPO loop vs TRL GRPOTrainer, same model, prompts and iterations
   ref_throughput  the reference pass (log-prob bookkeeping included) vs a plain forward of the same batches
   elo             Bradley-Terry fit + 1000 bootstrap rounds on 100k battles; DuckDB over 1M battle rows
+  vllm_vs_hf      rollout tokens/s of the vLLM engine (own environment) vs transformers generate
   orchestration   the tiny profile through `rlhf run` (Prefect flow, temporary API): wall time minus the
                   sum of the stages' own seconds (manifests), and that share of the wall time
-  default_run     (--full, about 15 min) the default profile end to end: wall time and per-stage seconds
+  default_run     (--full, about 15 min) the default profile end to end: wall time, per-stage seconds
+                  and per-stage peak RSS (manifest timings: sampled peak of the process and its children)
 
     .venv/bin/python bench/suite.py [--full] [--only NAME ...]
 """
@@ -32,6 +34,7 @@ SCRIPTS = {
     "grpo_vs_trl": ["bench/grpo_vs_trl.py"],
     "ref_throughput": ["bench/ref_throughput.py"],
     "elo": ["bench/elo.py"],
+    "vllm_vs_hf": ["bench/vllm_vs_hf.py"],
 }
 
 
@@ -45,7 +48,7 @@ def last_json(cmd: list[str]) -> dict:
 def pipeline(profile: str) -> dict:
     """`rlhf run` of a profile into a fresh store: wall time, each stage's own seconds, and the rest."""
     sys.path.insert(0, str(ROOT))
-    from rlhf.config import StorageConfig
+    from rlhf.config import STAGES, StorageConfig
     from rlhf.store import ArtifactStore
 
     with tempfile.TemporaryDirectory() as root:
@@ -55,14 +58,16 @@ def pipeline(profile: str) -> dict:
                         "--set", f"storage.url={root}"], cwd=ROOT, check=True, capture_output=True, text=True)
         wall = time.perf_counter() - t0
         store = ArtifactStore(StorageConfig(url=root))
-        stages = {}
-        for stage in store.list_dirs(store.stage_path(name)):
+        stages, rss = {}, {}
+        for stage in STAGES:
             manifest = store.read_manifest(name, stage)
             if manifest:
                 stages[stage] = round(manifest["timings"]["seconds"], 2)
+                rss[stage] = manifest["timings"].get("peak_rss_mb")
     inside = sum(stages.values())
-    return {"wall_s": round(wall, 2), "stage_seconds": stages, "sum_stage_s": round(inside, 2),
-            "overhead_s": round(wall - inside, 2), "overhead_share_of_wall": round((wall - inside) / wall, 3)}
+    return {"wall_s": round(wall, 2), "sum_stage_s": round(inside, 2), "overhead_s": round(wall - inside, 2),
+            "overhead_share_of_wall": round((wall - inside) / wall, 3), "stage_seconds": stages,
+            "stage_peak_rss_mb": rss}
 
 
 def markdown(results: dict) -> str:
@@ -80,20 +85,23 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="run only these benchmarks")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     a = ap.parse_args()
-    wanted = [*SCRIPTS, "orchestration", *(["default_run"] if a.full else [])]
-    results: dict[str, dict] = {}
+    wanted = [*SCRIPTS, "orchestration", *(["default_run"] if a.full or (a.only and "default_run" in a.only) else [])]
+    a.out.mkdir(parents=True, exist_ok=True)
+    saved = a.out / "suite.json"
+    # Each benchmark's latest figures: a partial run (--only) updates its rows and keeps the others.
+    results: dict[str, dict] = json.loads(saved.read_text()) if saved.exists() else {}
     for name in wanted:
         if a.only and name not in a.only:
             continue
         t0 = time.perf_counter()
         if name in SCRIPTS:
-            results[name] = last_json([PY, *SCRIPTS[name]])
+            figures = last_json([PY, *SCRIPTS[name]])
         else:
-            results[name] = pipeline("tiny" if name == "orchestration" else "default")
+            figures = pipeline("tiny" if name == "orchestration" else "default")
+        results[name] = {"measured": time.strftime("%Y-%m-%d %H:%M"), **figures}
         print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "suite.json").write_text(json.dumps(results, indent=1))
-    (a.out / "suite.md").write_text(markdown(results))
+        saved.write_text(json.dumps(results, indent=1))  # after each: a later failure loses nothing
+        (a.out / "suite.md").write_text(markdown(results))
     print(markdown(results))
     return 0
 

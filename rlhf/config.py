@@ -219,6 +219,20 @@ class RefLogprobsConfig(Placement):
     per_token: bool = False  # also keep per-token log-probs (list columns)
 
 
+class VLLMOptions(Strict):
+    """The vLLM engine (rollout.engine: vllm), run from its own virtualenv (./setup-vllm.sh)."""
+
+    python: str | None = None  # that environment's interpreter; default RLHF_VLLM_PYTHON, else .venv-vllm/bin/python
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs one engine spans
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)  # share of GPU memory vLLM may take (weights + KV cache)
+    max_model_len: int = Field(1024, ge=16)  # prompt + response tokens per sequence
+    # no torch.compile / CUDA graphs: starts in seconds instead of minutes (CPU: about 90 s of compiling)
+    enforce_eager: bool = False
+    # RL weight sync check: max |log-prob difference| on a probe sequence between engine and trainer.
+    # float32 on CPU measured 1e-6; 16-bit dtypes round differently in each engine: loosen it there.
+    sync_tolerance: float = Field(1e-3, gt=0.0)
+
+
 class RolloutConfig(Placement):
     """Sampling for the rollout stage and for the RL stages' experience generation."""
 
@@ -227,7 +241,8 @@ class RolloutConfig(Placement):
     split: Literal["train", "eval"] = "eval"  # which prompts the rollout stage answers
     prompts: int = Field(64, ge=1)  # prompts the rollout stage answers
     seed: int = 0  # sampling seed: the same params and seed give the same samples
-    engine: Literal["hf"] = "hf"  # the vLLM engine lands with its own issue
+    engine: Literal["hf", "vllm"] = "hf"  # hf: transformers generate in this process; vllm: see rollout.vllm
+    vllm: VLLMOptions = VLLMOptions()
     temperature: float = Field(1.0, ge=0.0)  # sampling temperature; 0 is greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
     max_new_tokens: int = Field(32, ge=1)  # response budget in tokens
@@ -447,6 +462,9 @@ class PipelineConfig(Strict):
             rl = self.stage(name)
             if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
                 raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
+            if rl.enabled and self.rollout.engine == "vllm" and (rl.lora.enabled or rl.launch.processes > 1):
+                raise ValueError(f"rollout.engine: 'vllm' in the RL loop needs {name}.lora.enabled false and "
+                                 f"{name}.launch.processes 1 in this version (weights sync as one merged folder)")
         if self.ppo.enabled and self.ppo.critic_init == "reward_model" and not self.reward_model.enabled:
             raise ValueError("ppo.critic_init: 'reward_model' needs reward_model.enabled: true")
         if self.rollout.enabled and self.rollout.policy != "base" and not self.stage(self.rollout.policy).enabled:

@@ -73,17 +73,18 @@ def build(store: ArtifactStore, run: str, out: Path) -> Path:
     """Writes out/report.md and its PNGs; returns the markdown's path."""
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"# Run report: {run}", "", f"Store: `{store.url(store.path(run))}`", "",
-             "| stage | status | wall time | resumed from | content key |", "|---|---|---|---|---|"]
+             "| stage | status | wall time | peak RSS | resumed from | content key |", "|---|---|---|---|---|---|"]
     details: list[str] = []
     for stage in STAGES:
         status, manifest = stage_status(store, run, stage)
         if manifest is None:
             if status != "not run":
-                lines.append(f"| {stage} | {status} | | | |")
+                lines.append(f"| {stage} | {status} | | | | |")
             continue
-        seconds = manifest["timings"]["seconds"]
+        seconds, rss = manifest["timings"]["seconds"], manifest["timings"].get("peak_rss_mb")
         resumed = manifest.get("resumed_from_step") or ""
-        lines.append(f"| {stage} | {status} | {seconds:.0f} s | {resumed} | `{manifest['key'][:12]}` |")
+        rss_text = f"{rss / 1024:.1f} GiB" if rss else ""  # manifests before peak RSS was recorded have none
+        lines.append(f"| {stage} | {status} | {seconds:.0f} s | {rss_text} | {resumed} | `{manifest['key'][:12]}` |")
         details += [f"## {stage}", ""]
         details += [f"- `{name}`: {store.url(store.stage_path(run, stage, rel))}" for name, rel in manifest["outputs"].items()]
         if manifest["metrics"]:

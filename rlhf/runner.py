@@ -22,6 +22,7 @@ from typing import Any
 from rlhf.config import PipelineConfig
 from rlhf.loader import ConfigError
 from rlhf.models import home, model_identity
+from rlhf.resources import PeakRSS
 from rlhf.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
 
 log = logging.getLogger("rlhf.runner")
@@ -175,7 +176,8 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     from rlhf.launch import run_stage  # imports this module
 
     try:
-        result: StageResult = run_stage(module, cfg.stage(stage), ctx)
+        with PeakRSS() as rss:
+            result: StageResult = run_stage(module, cfg.stage(stage), ctx)
     except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
         raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
     seconds = time.perf_counter() - t0
@@ -195,7 +197,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         "rows": result.rows,
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from_step,
-        "timings": {"started": started, "finished": _now(), "seconds": round(seconds, 3)},
+        "timings": {"started": started, "finished": _now(), "seconds": round(seconds, 3), **rss.figures()},
     }
     store.write_manifest(run, stage, manifest)  # last: from here on the stage counts as complete
     # Checkpoints only serve to resume an incomplete stage; a complete one drops them (they hold the

@@ -278,7 +278,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
     task = Task(pcfg.data)
     reward = make_reward(cfg, ctx, task)
-    engine = HFEngine(policy, tok, roll.batch_size)
+    engine = make_engine(ctx, policy, tok, init, resume is not None)
     n_samples = cfg.samples_per_prompt()
     t_start = time.perf_counter()
     for it in range(first, cfg.iterations + 1):
@@ -306,6 +306,9 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
         stats = update(algo, spec, cfg, it, policy, critic, optimizers, batch, state["beta"], roll.temperature,
                        lambda: autocast(pcfg.model, device.type))
+        stats.update(logp_mismatch(batch))
+        if isinstance(engine, SyncedVLLM):
+            stats["sync_max_abs_diff"] = engine.sync(policy)
         if algo == "ppo" and cfg.kl.mode == "adaptive":
             state["beta"] = rl_math.adaptive_kl_beta(state["beta"], kl_seq, cfg.kl.target, cfg.kl.horizon, len(gens))
         tokens = int(batch.mask.sum())
@@ -324,7 +327,55 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         if os.environ.get(CRASH_ENV) == f"{algo}:{it}":  # test hook, as in the Trainer stages
             raise InjectedCrash(f"{algo}: injected crash after iteration {it} ({CRASH_ENV})")
 
+    if isinstance(engine, SyncedVLLM):
+        engine.close()
     return finish(algo, cfg, ctx, policy, tok, task, first)
+
+
+def logp_mismatch(batch: Batch) -> dict[str, float]:
+    """|sampler log-prob - trainer log-prob| over response tokens, before the update: 0 up to numerics
+    when both compute the same distribution (top_p < 1 renormalises the sampler's, so it is not 0 then).
+    A jump flags stale engine weights or a kernel mismatch, which bias the importance ratio."""
+    diff = (batch.logp_rollout - batch.logp_old).abs() * batch.mask
+    return {"logp_mismatch_mean": (diff.sum() / batch.mask.sum().clamp(min=1)).item(), "logp_mismatch_max": diff.max().item()}
+
+
+class SyncedVLLM:
+    """The vLLM engine of the RL loop: the policy's weights reach it through a local safetensors folder
+    after every update, and every sync is checked on a fixed probe (rlhf/vllm_engine.py)."""
+
+    def __init__(self, ctx, policy, tok, init: str, stale: bool):
+        from stages.rollout import make_vllm
+
+        self.ctx, self.tok, self.roll = ctx, tok, ctx.cfg.rollout
+        self.folder = ctx.workdir / "engine-weights"
+        problem = Task(ctx.cfg.data).train[0]  # probe: a fixed prompt and its gold answer
+        self.probe = list(tok.apply_chat_template([user(problem.question), assistant(problem.answer)], tokenize=True,
+                                                  return_dict=True)["input_ids"])
+        self.engine = make_vllm(self.roll, init, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed)
+        if stale:  # resumed: the engine started from `init`, the policy from a checkpoint
+            self.sync(policy)
+
+    def generate(self, prompts, params, shard=(0, 1), on_batch=None):
+        return self.engine.generate(prompts, params, shard, on_batch)
+
+    @torch.no_grad()
+    def sync(self, policy) -> float:
+        policy.eval()
+        policy.save_pretrained(self.folder, safe_serialization=True)
+        ids = torch.tensor([self.probe], device=next(policy.parameters()).device)
+        logits = policy(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        return self.engine.sync(str(self.folder), self.probe, expected, self.roll.vllm.sync_tolerance)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def make_engine(ctx, policy, tok, init: str, resumed: bool):
+    if ctx.cfg.rollout.engine == "vllm":
+        return SyncedVLLM(ctx, policy, tok, init, resumed)
+    return HFEngine(policy, tok, ctx.cfg.rollout.batch_size)
 
 
 def ctx_device() -> torch.device:

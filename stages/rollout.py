@@ -30,9 +30,18 @@ ROLLOUT_SCHEMA = pa.schema([
 ])
 
 
+def make_vllm(cfg: RolloutConfig, model_dir: str, tok, dtype: str, seed: int):
+    from rlhf.vllm_engine import VLLMEngine
+
+    v = cfg.vllm
+    return VLLMEngine(model_dir, tok, python=v.python, dtype=dtype, max_model_len=v.max_model_len, seed=seed,
+                      tensor_parallel_size=v.tensor_parallel_size, gpu_memory_utilization=v.gpu_memory_utilization,
+                      enforce_eager=v.enforce_eager)
+
+
 def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
     path = resolve_model(ctx.cfg.model) if cfg.policy == "base" else fetch_model(ctx, cfg.policy)
-    tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
+    tok = load_tokenizer(path)
     task = Task(ctx.cfg.data)
     problems = (task.train if cfg.split == "train" else task.eval)[: cfg.prompts]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.n, cfg.seed)
@@ -40,8 +49,13 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
         ctx.log.info("rollout: %d/%d samples", done, total)
         progress.report(ctx.stage, done, total)
 
-    with torch.inference_mode():
-        gens = HFEngine(model, tok, cfg.batch_size).generate([[user(p.question)] for p in problems], params, on_batch=on_batch)
+    prompts = [[user(p.question)] for p in problems]
+    if cfg.engine == "vllm":
+        with make_vllm(cfg, path, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed) as engine:
+            gens = engine.generate(prompts, params, on_batch=on_batch)
+    else:
+        with torch.inference_mode():
+            gens = HFEngine(load_causal_lm(path, ctx.cfg.model), tok, cfg.batch_size).generate(prompts, params, on_batch=on_batch)
     rows = [{"prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index, "prompt": problems[g.prompt_index].question,
              "response": g.text, "token_ids": g.token_ids, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
              "reward": task.score(g.text, problems[g.prompt_index])} for g in gens]

@@ -52,6 +52,7 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
     report = (out / "report.md").read_text()
     for stage in STAGES:
         assert f"| {stage} | complete |" in report
+    assert re.search(r"\| sft \| complete \| \d+ s \| \d+\.\d GiB \|", report)  # the stage's peak RSS
     assert "### Leaderboard" in report and "![Elo with 95% bootstrap intervals](ratings.png)" in report
     from PIL import Image
 

@@ -226,3 +226,19 @@ def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_
     kl = [r["value"] for r in store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
           if r["name"] == "kl" and r["step"] == 1]
     assert 0 <= kl[0] < 0.1  # bf16 rounding of the same weights, not two different models
+
+
+def test_logp_mismatch_by_hand_and_vllm_limits_are_refused(tiny_cfg):
+    import torch
+
+    from rlhf.loader import ConfigError
+    from stages.rl import Batch, logp_mismatch
+
+    # |(-1.0) - (-1.1)| = 0.1, |(-2.0) - (-2.0)| = 0, |(-0.5) - (-0.2)| = 0.3; the padded 4th token is ignored
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    batch = Batch(torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), mask,
+                  torch.tensor([[-1.0, -2.0], [-0.5, 0.0]]), logp_old=torch.tensor([[-1.1, -2.0], [-0.2, 5.0]]))
+    m = logp_mismatch(batch)
+    assert m["logp_mismatch_mean"] == pytest.approx(0.4 / 3) and m["logp_mismatch_max"] == pytest.approx(0.3)
+    with pytest.raises(ConfigError, match="rollout.engine: 'vllm' in the RL loop needs grpo.lora.enabled false"):
+        tiny_cfg("grpo.enabled=true", "rollout.engine=vllm", "grpo.lora.enabled=true")

