@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 SCRIPTS = {
-    "dpo_cache": ["bench/dpo_cache.py"],
+    "dpo_cache": ["bench/dpo_cache.py", "--decompose"],
     "kto_cache": ["bench/kto_cache.py"],
     "grpo_vs_trl": ["bench/grpo_vs_trl.py"],
     "ref_throughput": ["bench/ref_throughput.py"],

@@ -8,11 +8,43 @@ tests/test_ref_cache.py checks both against TRL, so a TRL upgrade that changes e
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 
 import torch
+import trl.trainer.utils as trl_utils
 from trl.data_utils import common_prefix_length, extract_prompt, is_conversational
 from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+
+@contextlib.contextmanager
+def completion_only_scoring():
+    """Make TRL's fused LM head project only the scored (label != -100) positions on the CPU too.
+
+    TRL 1.16's fused head (`add_fused_lm_head`) gathers the completion positions before the vocabulary
+    projection on CUDA/XPU, but on every other device projects every position and masks afterwards, so
+    compiled backends (Neuron) keep fixed tile shapes. On an eager CPU that spends the 49k-way projection,
+    softmax and entropy on prompt tokens whose scores are thrown away: about 90% of the rows for the
+    arithmetic pairs (48 prompt tokens, 5 completion tokens). The decision is TRL's private
+    `trl.trainer.utils._use_triton` (used there for nothing else); it is swapped for the CPU only, for the
+    duration, and restored. The numbers are the same rows of the same projection (tests/test_dpo.py).
+    """
+    original = trl_utils._use_triton
+    trl_utils._use_triton = lambda device: device.type == "cpu" or original(device)
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
+
+
+class CompletionOnlyScoring:
+    """Trainer mixin: every loss computation (training and evaluation) runs under completion_only_scoring."""
+
+    def compute_loss_context_manager(self):
+        stack = super().compute_loss_context_manager()
+        stack.enter_context(completion_only_scoring())
+        return stack
 
 
 @dataclass(frozen=True)
@@ -73,13 +105,27 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """Per-token log-probs of the completion tokens. Returns ([N, T-1] log-probs * mask, [N, T-1] mask).
 
     input_ids, attention_mask, completion_mask: [N, T], right-padded (TRL's collator layout).
-    Token t is scored by the logits at t-1, so position 0 (always prompt) is never scored.
+    Token t is scored by the logits at t-1, so position 0 (always prompt) is never scored. Logits are
+    computed only from the batch's first scored position on (the model's own `logits_to_keep`): the prompt
+    rows before it would be projected onto the vocabulary just to be masked out.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float()
-    targets = input_ids[:, 1:]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    mask = completion_mask[:, 1:].to(logp.dtype)
+    n, width = input_ids.shape
+    scored = completion_mask[:, 1:].bool()
+    first = int(scored.any(0).int().argmax()) if bool(scored.any()) else width - 2  # index into the T-1 targets
+    kw = last_logits_only(model, width - first)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits
+    logits = logits[:, -(width - first) : -1].float()  # predictions for targets first..T-2
+    logp = input_ids.new_zeros((n, width - 1), dtype=logits.dtype)
+    logp[:, first:] = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, first + 1 :].unsqueeze(-1)).squeeze(-1)
+    mask = scored.to(logp.dtype)
     return logp * mask, mask
+
+
+def last_logits_only(model, keep: int) -> dict:
+    """Forward kwargs asking for logits of the last `keep` positions only, when the model (or, under PEFT,
+    its base model) takes transformers' `logits_to_keep`; else none: full logits, same numbers."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
 from rlhf.config import DPOConfig
+from rlhf.logprobs import CompletionOnlyScoring
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import preference_pairs
 from rlhf.runner import StageContext, StageResult
@@ -24,8 +25,9 @@ from stages.ref_logprobs import REF_LOGPS_SCHEMA
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-class CachedRefDPOTrainer(DPOTrainer):
-    """DPOTrainer whose reference log-probs always come from the dataset (our durable cache)."""
+class CachedRefDPOTrainer(CompletionOnlyScoring, DPOTrainer):
+    """DPOTrainer whose reference log-probs always come from the dataset (our durable cache), scoring
+    completion positions only (rlhf/logprobs.py `completion_only_scoring`)."""
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         missing = [c for c in REF_COLUMNS if c not in dataset.column_names]

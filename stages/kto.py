@@ -29,7 +29,7 @@ from trl import KTOConfig as TRLKTOConfig
 from trl import KTOTrainer
 
 from rlhf.config import KTOConfig
-from rlhf.logprobs import tokenize_pair
+from rlhf.logprobs import CompletionOnlyScoring, completion_only_scoring, tokenize_pair
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import unpaired_examples
 from rlhf.runner import StageContext, StageResult
@@ -47,7 +47,7 @@ KTO_REF_SCHEMA = pa.schema(
 COLUMNS = ("ref_logps", "ref_KL_logps")
 
 
-class CachedRefKTOTrainer(KTOTrainer):
+class CachedRefKTOTrainer(CompletionOnlyScoring, KTOTrainer):
     """KTOTrainer whose reference log-probs come from the dataset (a cache hit), or else are computed once
     with TRL's own `compute_ref_log_probs` without TRL's per-process datasets cache (we keep our own)."""
 
@@ -68,7 +68,8 @@ class CachedRefKTOTrainer(KTOTrainer):
         loader = DataLoader(dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False)
         for batch in loader:
             batch = {k: v.to(self.accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-            logp, kl_logp = self.compute_ref_log_probs(self.model, batch)
+            with completion_only_scoring():
+                logp, kl_logp = self.compute_ref_log_probs(self.model, batch)
             logps += logp.double().cpu().tolist()
             kl_logps += kl_logp.double().cpu().tolist() if kl_logp is not None else [None] * len(logp)
             self.ref_forward_batches += 1

@@ -28,6 +28,7 @@ from trl.trainer.utils import disable_dropout_in_model
 from rlhf import dist, progress, rl_math
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.generation import verifier_accuracy
+from rlhf.logprobs import last_logits_only
 from rlhf.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.rewards import import_reward_function, reward_model_scores
 from rlhf.runner import StageContext, StageResult
@@ -107,11 +108,13 @@ def forward(model, batch: Batch, rows, temperature: float, values: bool = False)
     """Token log-probs (or critic values) of the response positions for the selected rows: [b, T]."""
     ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
     pos = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
     p_w, t_w = batch.prompt_width, batch.mask.shape[1]
     if values:
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         return out.logits[:, p_w - 1 : p_w - 1 + t_w, 0].float()
-    logits = out.logits[:, p_w - 1 : p_w - 1 + t_w].float() / max(temperature, 1e-6)
+    # Only the last t_w + 1 positions predict response tokens: the prompt rows skip the vocabulary projection.
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **last_logits_only(model, t_w + 1))
+    logits = out.logits[:, -(t_w + 1) : -1].float() / max(temperature, 1e-6)
     targets = ids[:, p_w:]
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits
 
@@ -126,6 +129,8 @@ def score_all(model, batch: Batch, temperature: float, size: int, values: bool =
     lo, hi = min(dist.rank() * per, rows), min((dist.rank() + 1) * per, rows)
     chunks = [forward(model, batch, slice(i, min(i + size, hi)), temperature, values) for i in range(lo, hi, size)]
     mine = torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
+    if world == 1:  # no device -> CPU -> device round trip for a gather of one
+        return mine * batch.mask
     return torch.cat([part.to(batch.mask.device) for part in dist.all_gather(mine.cpu())]) * batch.mask
 
 
@@ -278,7 +283,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
     task = Task(pcfg.data)
     reward = make_reward(cfg, ctx, task)
-    engine = make_engine(ctx, policy, tok, init, resume is not None)
+    engine = make_engine(ctx, policy, tok, init, resume is not None, task)
     n_samples = cfg.samples_per_prompt()
     t_start = time.perf_counter()
     for it in range(first, cfg.iterations + 1):
@@ -344,12 +349,12 @@ class SyncedVLLM:
     """The vLLM engine of the RL loop: the policy's weights reach it through a local safetensors folder
     after every update, and every sync is checked on a fixed probe (rlhf/vllm_engine.py)."""
 
-    def __init__(self, ctx, policy, tok, init: str, stale: bool):
+    def __init__(self, ctx, policy, tok, init: str, stale: bool, problem):
         from stages.rollout import make_vllm
 
         self.ctx, self.tok, self.roll = ctx, tok, ctx.cfg.rollout
         self.folder = ctx.workdir / "engine-weights"
-        problem = Task(ctx.cfg.data).train[0]  # probe: a fixed prompt and its gold answer
+        # probe: a fixed prompt and its gold answer
         self.probe = list(tok.apply_chat_template([user(problem.question), assistant(problem.answer)], tokenize=True,
                                                   return_dict=True)["input_ids"])
         self.engine = make_vllm(self.roll, init, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed)
@@ -364,7 +369,8 @@ class SyncedVLLM:
         policy.eval()
         policy.save_pretrained(self.folder, safe_serialization=True)
         ids = torch.tensor([self.probe], device=next(policy.parameters()).device)
-        logits = policy(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        with autocast(self.ctx.cfg.model, ids.device.type):  # the trainer's own numerics, mixed precision included
+            logits = policy(input_ids=ids, use_cache=False).logits[0, :-1].float()
         expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
         return self.engine.sync(str(self.folder), self.probe, expected, self.roll.vllm.sync_tolerance)
 
@@ -372,9 +378,9 @@ class SyncedVLLM:
         self.engine.close()
 
 
-def make_engine(ctx, policy, tok, init: str, resumed: bool):
+def make_engine(ctx, policy, tok, init: str, resumed: bool, task: Task):
     if ctx.cfg.rollout.engine == "vllm":
-        return SyncedVLLM(ctx, policy, tok, init, resumed)
+        return SyncedVLLM(ctx, policy, tok, init, resumed, task.train[0])
     return HFEngine(policy, tok, ctx.cfg.rollout.batch_size)
 
 

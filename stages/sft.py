@@ -13,11 +13,17 @@ from trl import SFTTrainer
 from rlhf import dist
 from rlhf.config import SFTConfig
 from rlhf.generation import verifier_accuracy
+from rlhf.logprobs import CompletionOnlyScoring
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pairs import demonstrations
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task
 from rlhf.training import TrainerRun, trainer_kwargs
+
+
+class CompletionScoredSFTTrainer(CompletionOnlyScoring, SFTTrainer):
+    """SFTTrainer whose fused LM head projects only the positions the loss reads (the completion, by
+    default) on the CPU too, as TRL already does on GPUs."""
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
@@ -40,7 +46,7 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
         completion_only_loss=cfg.completion_only_loss,
         packing=False,
     )
-    trainer = tr.build(SFTTrainer, model, args, rows, tokenizer, cfg)
+    trainer = tr.build(CompletionScoredSFTTrainer, model, args, rows, tokenizer, cfg)
     result = tr.train(trainer)
     metrics["sft/train_loss"] = float(result.training_loss)
     metrics["sft/steps"] = float(trainer.state.global_step)

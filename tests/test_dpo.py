@@ -79,3 +79,43 @@ def test_trainer_refuses_an_on_the_fly_reference_pass(tmp_path):
     with pytest.raises(ValueError, match="lacks cached reference columns"):
         CachedRefDPOTrainer(model=load_causal_lm(path, ModelConfig(name="tiny")), args=args,
                             train_dataset=Dataset.from_list(CONV), processing_class=tok)
+
+
+def test_completion_only_scoring_changes_no_number_and_projects_only_completions(tmp_path, monkeypatch):
+    """The DPO stage's trainer scores completion positions only on the CPU (TRL scores every position
+    there and masks): same loss and same gradients as TRL's own scoring, far fewer projected rows."""
+    import trl.trainer.utils as trl_utils
+
+    path = resolve_model(ModelConfig(name="tiny"))
+    tok = load_tokenizer(path)
+    rows = [{**r, "ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0} for r in CONV]
+    args = DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, max_length=64, beta=0.1,
+                     report_to=[], use_cpu=True, bf16=False, activation_checkpointing=False)
+    projected = []
+    real_apply = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                        lambda hidden, *a: projected.append(hidden.shape[0]) or real_apply(hidden, *a))
+
+    def loss_and_grads(trainer_cls):
+        model = load_causal_lm(path, ModelConfig(name="tiny"))
+        trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+        model.eval()
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, batch)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters()}, batch
+
+    class AllPositions(CachedRefDPOTrainer):  # TRL's CPU behaviour: every position through the vocabulary
+        def compute_loss_context_manager(self):
+            return trl_dpo.DPOTrainer.compute_loss_context_manager(self)
+
+    theirs, their_grads, batch = loss_and_grads(AllPositions)
+    ours, our_grads, _ = loss_and_grads(CachedRefDPOTrainer)
+    assert ours == pytest.approx(theirs, abs=1e-6)
+    for name, g in their_grads.items():
+        torch.testing.assert_close(our_grads[name], g, atol=1e-6, rtol=1e-5)
+    n, width = batch["input_ids"].shape
+    assert projected == [n * (width - 1), int(batch["completion_mask"][:, 1:].sum())]
+    assert projected[1] < projected[0] / 3
+    assert trl_utils._use_triton(torch.device("cpu")) is False  # the switch is put back after each step

@@ -9,6 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
+from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 import rlhf.logprobs
 from rlhf.config import ModelConfig
@@ -115,3 +116,26 @@ def test_over_long_pairs_are_reported_by_row(tiny_cfg, tmp_path):
         execute_stage(tiny_cfg(*common), "ref_logprobs")
     m = execute_stage(tiny_cfg(*common, "data.on_bad_row=drop"), "ref_logprobs")
     assert m["rows"] == {"pairs": 2, "dropped": 1}
+
+
+def test_reference_pass_projects_only_from_the_first_completion_position(tiny):
+    """pair_logps asks the model for the logits it scores (transformers' logits_to_keep), and the
+    numbers equal a full-logits computation."""
+    path, tok = tiny
+    model = load_causal_lm(path, ModelConfig(name="tiny"))
+    pairs = [tokenize_pair(tok, r) for r in CONV]
+    rows = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[1]))
+    out = pair_logps(model, tok, pairs, max_length=64, batch_size=len(pairs))
+    hook.remove()
+    batch = DataCollatorForPreference(pad_token_id=tok.pad_token_id, max_length=64)(
+        [{"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids, "rejected_ids": p.rejected_ids} for p in pairs])
+    ids, comp = batch["input_ids"], batch["completion_mask"]
+    first = int(comp.any(0).int().argmax())  # first completion token of any row
+    assert rows == [ids.shape[1] - first + 1] and rows[0] < ids.shape[1] / 2
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    full = (torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * comp[:, 1:]).sum(1).double()
+    torch.testing.assert_close(out.chosen, full[: len(pairs)], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.rejected, full[len(pairs) :], atol=1e-6, rtol=0)

@@ -242,3 +242,31 @@ def test_logp_mismatch_by_hand_and_vllm_limits_are_refused(tiny_cfg):
     assert m["logp_mismatch_mean"] == pytest.approx(0.4 / 3) and m["logp_mismatch_max"] == pytest.approx(0.3)
     with pytest.raises(ConfigError, match="rollout.engine: 'vllm' in the RL loop needs grpo.lora.enabled false"):
         tiny_cfg("grpo.enabled=true", "rollout.engine=vllm", "grpo.lora.enabled=true")
+
+
+def test_policy_scoring_projects_only_response_positions():
+    """forward() asks for the logits of the response positions only (logits_to_keep) and its numbers
+    equal slicing full logits, with left-padded prompts and right-padded responses of mixed lengths."""
+    import torch
+
+    from rlhf.config import ModelConfig
+    from rlhf.engine import Generation
+    from rlhf.models import resolve_model
+    from stages.rl import build_batch, forward
+
+    g = torch.Generator().manual_seed(0)
+    gens = [Generation(i, 0, torch.randint(5, 1000, (n,), generator=g).tolist(), [-1.0] * n, "", "length")
+            for i, n in enumerate([2, 5, 1, 4])]
+    prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (9, 4, 12, 7)]
+    batch = build_batch(prompts, gens, 0)
+    model = load_causal_lm(resolve_model(ModelConfig(name="tiny")), ModelConfig(name="tiny"))
+    rows = []
+    model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[1]))
+    with torch.no_grad():
+        logp, _ = forward(model, batch, slice(None), temperature=0.7)
+        ids, attn = batch.input_ids, batch.attention_mask
+        full = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
+    p_w, t_w = batch.prompt_width, batch.mask.shape[1]
+    want = torch.log_softmax(full[:, p_w - 1 : -1].float() / 0.7, -1).gather(-1, ids[:, p_w:, None])[..., 0]
+    assert rows[0] == t_w + 1 < ids.shape[1] / 2
+    torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
