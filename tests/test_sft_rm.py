@@ -112,3 +112,39 @@ def test_changed_key_reruns_the_stage_and_downstream_only(tiny_cfg):
     m_rm = execute_stage(sft_changed, "reward_model")
     assert m_sft["status"] == "ran" and m_sft["key"] != first["sft"]["key"]
     assert m_rm["status"] == "ran" and m_rm["inputs"]["sft"] == m_sft["key"]
+
+
+def test_sft_trainer_projects_only_completion_tokens_with_the_same_loss(tmp_path, monkeypatch):
+    """The SFT stage's trainer sends only the loss's tokens through the vocabulary projection on the CPU
+    (TRL projects every position there): same per-step losses as TRL's SFTTrainer, far fewer rows."""
+    import torch
+    import trl.trainer.utils as trl_utils
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+    from stages.sft import CompletionScoredSFTTrainer
+
+    path = resolve_model(ModelConfig(name="tiny"))
+    tok = load_tokenizer(path)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+             "completion": [{"role": "assistant", "content": str(2 * i)}]} for i in range(8)]
+    projected = []
+    real_apply = trl_utils._ChunkedLogProbFunction.apply
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                        lambda hidden, *a: projected.append(hidden.shape[0]) or real_apply(hidden, *a))
+    runs = {}
+    for cls in (SFTTrainer, CompletionScoredSFTTrainer):
+        torch.manual_seed(0)
+        args = SFTConfig(output_dir=str(tmp_path / cls.__name__), max_steps=2, per_device_train_batch_size=4,
+                         learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False, completion_only_loss=True,
+                         logging_steps=1, save_strategy="no", disable_tqdm=True)
+        trainer = cls(model=load_causal_lm(path, ModelConfig(name="tiny")), args=args,
+                      train_dataset=Dataset.from_list(rows), processing_class=tok)
+        trainer.train()
+        runs[cls] = ([h["loss"] for h in trainer.state.log_history if "loss" in h], list(projected))
+        projected.clear()
+    (theirs, their_rows), (ours, our_rows) = runs[SFTTrainer], runs[CompletionScoredSFTTrainer]
+    assert len(ours) == 2 and ours == pytest.approx(theirs, abs=1e-5)
+    assert len(our_rows) == 2 and all(o * 5 < t for o, t in zip(our_rows, their_rows))
