@@ -31,6 +31,13 @@ class Generation:
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens reached)
 
 
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template; with generation_prompt the
+    assistant turn is opened (what an engine continues from)."""
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                              return_dict=True)["input_ids"])
+
+
 class Engine(Protocol):
     def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1)) -> list[Generation]: ...
 

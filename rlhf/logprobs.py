@@ -17,6 +17,8 @@ import trl.trainer.utils as trl_utils
 from trl.data_utils import common_prefix_length, extract_prompt, is_conversational
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+from rlhf.engine import chat_ids
+
 
 @contextlib.contextmanager
 def completion_only_scoring():
@@ -55,9 +57,9 @@ class TokenizedPair:
     rejected_ids: list[int]
 
 
-def _ids(tokenizer, value, **kw) -> list[int]:
+def _ids(tokenizer, value, generation_prompt: bool = False) -> list[int]:
     if isinstance(value, list):
-        return list(tokenizer.apply_chat_template(value, tokenize=True, return_dict=True, **kw)["input_ids"])
+        return chat_ids(tokenizer, value, generation_prompt)
     return list(tokenizer(text=value)["input_ids"])
 
 
@@ -66,7 +68,7 @@ def tokenize_pair(tokenizer, row: dict) -> TokenizedPair:
     if "prompt" not in row:
         row = {**row, **extract_prompt({"chosen": row["chosen"], "rejected": row["rejected"]})}
     if is_conversational(row):
-        prompt = _ids(tokenizer, row["prompt"], add_generation_prompt=True)
+        prompt = _ids(tokenizer, row["prompt"], generation_prompt=True)
         full_c = _ids(tokenizer, row["prompt"] + row["chosen"])
         full_r = _ids(tokenizer, row["prompt"] + row["rejected"])
     else:
@@ -119,6 +121,13 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     logp[:, first:] = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, first + 1 :].unsqueeze(-1)).squeeze(-1)
     mask = scored.to(logp.dtype)
     return logp * mask, mask
+
+
+def sequence_logps(model, token_ids: list[int]) -> list[float]:
+    """log p(token t | tokens < t) for t >= 1 of one sequence (what an engine reports as prompt log-probs)."""
+    ids = torch.tensor([token_ids], device=model.device)
+    ones = torch.ones_like(ids)
+    return completion_logps(model, ids, ones, ones)[0][0].tolist()
 
 
 def last_logits_only(model, keep: int) -> dict:

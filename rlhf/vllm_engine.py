@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlhf.engine import Generation, SamplingParams
+from rlhf.engine import Generation, SamplingParams, chat_ids
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 DEFAULT_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
@@ -70,8 +70,7 @@ class VLLMEngine:
         return reply
 
     def prompt_ids(self, prompts: list[list[dict]]) -> list[list[int]]:
-        return [list(self.tokenizer.apply_chat_template(p, tokenize=True, add_generation_prompt=True,
-                                                        return_dict=True)["input_ids"]) for p in prompts]
+        return [chat_ids(self.tokenizer, p) for p in prompts]
 
     def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1),
                  on_batch=None) -> list[Generation]:

@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification
 from rlhf import progress
 from rlhf.bradley_terry import paired_accuracy_diff, rate
 from rlhf.config import EvalConfig
-from rlhf.engine import HFEngine, SamplingParams
+from rlhf.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.logprobs import response_logps
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
 from rlhf.results import SCHEMAS
@@ -59,7 +59,7 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
     ref = "sft" if "sft" in ctx.inputs else "base"
     path = policy_path(ctx, ref)
     tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
-    prompt_ids = [tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"] for p in prompts]
+    prompt_ids = [chat_ids(tok, p) for p in prompts]
     out = {}
     for policy, samples in gens.items():
         ref_lp = response_logps(model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples],

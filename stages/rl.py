@@ -26,9 +26,9 @@ import torch
 from trl.trainer.utils import disable_dropout_in_model
 
 from rlhf import dist, progress, rl_math
-from rlhf.engine import HFEngine, SamplingParams
+from rlhf.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.generation import verifier_accuracy
-from rlhf.logprobs import last_logits_only
+from rlhf.logprobs import last_logits_only, sequence_logps
 from rlhf.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.rewards import import_reward_function, reward_model_scores
 from rlhf.runner import StageContext, StageResult
@@ -295,8 +295,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             gens, scores = generate_and_score(engine, problems, params, reward)
         scores = scores.to(device)
         probs = [problems[g.prompt_index] for g in gens]
-        prompt_ids = [list(tok.apply_chat_template([user(p.question)], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=True)["input_ids"]) for p in probs]
+        prompt_ids = [chat_ids(tok, [user(p.question)]) for p in probs]
         batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
         with autocast(pcfg.model, device.type):
             batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
@@ -352,11 +351,10 @@ class SyncedVLLM:
     def __init__(self, ctx, policy, tok, init: str, stale: bool, problem):
         from stages.rollout import make_vllm
 
-        self.ctx, self.tok, self.roll = ctx, tok, ctx.cfg.rollout
+        self.ctx, self.roll = ctx, ctx.cfg.rollout
         self.folder = ctx.workdir / "engine-weights"
         # probe: a fixed prompt and its gold answer
-        self.probe = list(tok.apply_chat_template([user(problem.question), assistant(problem.answer)], tokenize=True,
-                                                  return_dict=True)["input_ids"])
+        self.probe = chat_ids(tok, [user(problem.question), assistant(problem.answer)], generation_prompt=False)
         self.engine = make_vllm(self.roll, init, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed)
         if stale:  # resumed: the engine started from `init`, the policy from a checkpoint
             self.sync(policy)
@@ -368,10 +366,9 @@ class SyncedVLLM:
     def sync(self, policy) -> float:
         policy.eval()
         policy.save_pretrained(self.folder, safe_serialization=True)
-        ids = torch.tensor([self.probe], device=next(policy.parameters()).device)
-        with autocast(self.ctx.cfg.model, ids.device.type):  # the trainer's own numerics, mixed precision included
-            logits = policy(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        device = next(policy.parameters()).device
+        with autocast(self.ctx.cfg.model, device.type):  # the trainer's own numerics, mixed precision included
+            expected = sequence_logps(policy, self.probe)
         return self.engine.sync(str(self.folder), self.probe, expected, self.roll.vllm.sync_tolerance)
 
     def close(self) -> None:

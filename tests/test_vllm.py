@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from rlhf.config import DataConfig, ModelConfig
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.loader import load_config
+from rlhf.logprobs import sequence_logps
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
@@ -44,12 +45,6 @@ def vllm_python(tmp_path_factory) -> str:
     return str(REPO / ".venv-vllm" / "bin" / "python")
 
 
-def probe_logps(model, probe: list[int]) -> list[float]:
-    ids = torch.tensor([probe])
-    logits = model(input_ids=ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
-
-
 @torch.no_grad()
 def test_greedy_matches_hf_engine_and_weight_sync_is_checked(vllm_python, tmp_path):
     cfg = ModelConfig()
@@ -67,10 +62,10 @@ def test_greedy_matches_hf_engine_and_weight_sync_is_checked(vllm_python, tmp_pa
 
         # An update that touches the tied embeddings (and so the output head) and one MLP.
         probe = list(range(100, 140))
-        before = probe_logps(model, probe)
+        before = sequence_logps(model, probe)
         for p in (model.model.embed_tokens.weight, *model.model.layers[0].mlp.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
-        after = probe_logps(model, probe)
+        after = sequence_logps(model, probe)
         assert max(abs(a - b) for a, b in zip(after, before)) > 0.05  # the update is visible on the probe
         folder = tmp_path / "weights"
         model.save_pretrained(folder, safe_serialization=True)
