@@ -81,7 +81,8 @@ def run(
 ) -> None:
     """Run the enabled stages through the `rlhf` Prefect flow (a temporary local API unless
     PREFECT_API_URL points at a server). Completed stages with unchanged content keys are skipped."""
-    overrides = list(set_ or []) + ([f"run.name={run_name}"] if run_name else [])
+    # JSON-quoted: a YAML double-quoted string, so `123` or `2024-01-01` stay names, and "" is refused, not ignored.
+    overrides = list(set_ or []) + ([f"run.name={json.dumps(run_name)}"] if run_name is not None else [])
     cfg, stages = _load_or_exit(config, profile, overrides, check_data=True)
     for stage, values in derived_quantities(cfg).items():
         typer.echo(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
@@ -149,7 +150,8 @@ def status(state_dir: StateOpt = None) -> None:
     typer.echo(json.dumps(services.status(services.state_dir(state_dir and str(state_dir))), indent=2))
 
 
-@app.command()
+# A query may start with `--` (an SQL comment): unknown option-like words are the SQL argument, not options.
+@app.command(context_settings={"ignore_unknown_options": True})
 def query(
     sql: Annotated[str, typer.Argument(help="a read-only SQL query over runs, samples, battles, ratings, metrics, accuracy_diffs")],
     config: ConfigOpt = Path("pipeline.yaml"),
@@ -199,7 +201,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="folder for report.md and PNGs")] = None,
 ) -> None:
     """Write a self-contained report of one run (markdown + PNG curves, Elo chart, leaderboard)."""
-    cfg, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={run_name}"])
+    cfg, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(run_name)}"])
     from rlhf.report import build
     from rlhf.store import ArtifactStore
 

@@ -12,13 +12,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no trailing newline slips by
 STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 
 
 def check_name(kind: str, value: str) -> str:
     """Run and stage names become storage path segments: refuse traversal and odd characters."""
-    if not SAFE_NAME.match(value) or ".." in value:
+    if not isinstance(value, str) or not SAFE_NAME.fullmatch(value) or ".." in value:
         raise ValueError(
             f"invalid {kind} name {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit, and no '..'"

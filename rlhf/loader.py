@@ -25,6 +25,57 @@ class ConfigError(Exception):
         super().__init__(f"{source}: invalid configuration\n" + "\n".join(f"  {p}" for p in problems))
 
 
+# Bounds on what a config may expand to: a few KB of nested YAML aliases can otherwise stand for
+# billions of nodes (the "billion laughs" document) once copied or validated.
+MAX_YAML_BYTES = 1_000_000
+MAX_YAML_NODES = 100_000  # after alias expansion; pipeline.yaml is about 400
+MAX_YAML_DEPTH = 32
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that also refuses duplicate keys (the last one would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+_BoundedLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _BoundedLoader.construct_mapping)
+
+
+def _expanded_size(node, memo: dict, depth: int = 0) -> int:
+    """Nodes in the document with every alias expanded, computed once per distinct node."""
+    if depth > MAX_YAML_DEPTH:
+        raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+    if id(node) not in memo:
+        children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        memo[id(node)] = 1 + sum(_expanded_size(c, memo, depth + 1) for c in children)
+    return memo[id(node)]
+
+
+def load_yaml(text: str) -> Any:
+    """safe_load with bounds on size, alias expansion and depth, and no duplicate keys; YAMLError otherwise."""
+    if len(text) > MAX_YAML_BYTES:
+        raise yaml.YAMLError(f"document is {len(text)} characters; at most {MAX_YAML_BYTES}")
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_NODES:
+            raise yaml.YAMLError(f"expands to {size} nodes through aliases; at most {MAX_YAML_NODES}")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def deep_merge(base: dict, override: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in override.items():
@@ -44,9 +95,9 @@ def apply_override(raw: dict, assignment: str) -> dict:
     if not all(keys):
         raise ConfigError("--set", [f"{assignment!r}: empty key in path {path!r}"])
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml(text) if text.strip() else ""
     except yaml.YAMLError as e:
-        raise ConfigError("--set", [f"{path}: value {text!r} is not valid YAML ({e.problem})"]) from None
+        raise ConfigError("--set", [f"{path}: value {text[:80]!r} is not valid YAML ({getattr(e, 'problem', None) or e})"]) from None
     out = copy.deepcopy(raw)
     node = out
     for i, k in enumerate(keys[:-1]):
@@ -58,9 +109,21 @@ def apply_override(raw: dict, assignment: str) -> dict:
     return out
 
 
+class _Shown:
+    """A rejected value as the error line shows it: its repr, cut to one readable line."""
+
+    def __init__(self, value):
+        self.text = repr(value).replace("\n", "\\n")
+        if len(self.text) > 80:
+            self.text = self.text[:77] + "..."
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _describe(err: dict) -> str:
     loc = ".".join(str(p) for p in err["loc"])
-    kind, ctx, got = err["type"], err.get("ctx", {}), err.get("input")
+    kind, ctx, got = err["type"], err.get("ctx", {}), _Shown(err.get("input"))
     if kind == "extra_forbidden":
         return f"{loc}: unknown key"
     if kind == "missing":
@@ -123,8 +186,8 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
     if not path.is_file():
         raise ConfigError(str(path), ["file not found"])
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
+        raw = load_yaml(path.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(str(path), [f"not valid YAML: {e}"]) from None
     if not isinstance(raw, dict):
         raise ConfigError(str(path), ["top level must be a mapping of sections"])

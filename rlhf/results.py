@@ -1,17 +1,28 @@
-"""Evaluation results in DuckDB: views over every run's eval Parquet files, local or S3.
+"""Evaluation results in DuckDB: one view per table over every run's eval Parquet files, local or S3.
 
-No database file to keep in sync: each query opens an in-memory DuckDB, registers the store's fsspec
-filesystem (DuckDB's httpfs cannot be installed offline) and defines one view per table over `<root>/<run>/eval/<table>.parquet` of every run whose eval stage
-completed, so results accumulate across runs by construction. Only SELECT,
-EXPLAIN and DESCRIBE statements run; anything that could write (DROP, INSERT, COPY ... TO, ATTACH,
-INSTALL, SET, ...) is refused before it reaches DuckDB.
+No database file to keep in sync: each query opens an in-memory DuckDB and registers one pyarrow
+dataset per table over `<root>/<run>/eval/<table>.parquet` of every run whose eval stage completed, so
+results accumulate across runs by construction.
+
+Read-only in depth, because a shared bucket is written by other people:
+  * no SQL is built from store data: file paths reach pyarrow as a list, never as SQL text, and a
+    run folder whose name fails the run-name rule is skipped (and named on stderr);
+  * pyarrow reads the files, so DuckDB itself needs no file system: the connection is opened with
+    `enable_external_access = false` (no file, URL, ATTACH, COPY ... TO or extension load, whatever the
+    statement), extension auto-install/auto-load off, and `lock_configuration = true` (no SET undoes it);
+  * every statement of the query must parse (DuckDB's own parser) as a SELECT (DESCRIBE, SHOW and
+    SUMMARIZE parse as one); EXPLAIN is refused too, since EXPLAIN ANALYZE executes what it explains.
 """
 
 from __future__ import annotations
 
+import sys
+
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as pads
 
+from rlhf.config import check_name
 from rlhf.store import ArtifactStore
 
 S, F, I, B = pa.string(), pa.float64(), pa.int64(), pa.bool_()
@@ -36,36 +47,36 @@ SCHEMAS = {
 }
 VIEWS = {"samples": "samples", "battles": "battles", "ratings": "ratings", "metrics": "metrics",
          "accuracy_diffs": "accuracy_diffs", "runs": "run"}
-READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
+# Settings fixed at connect time; lock_configuration makes them final for the connection.
+LOCKED_DOWN = {"enable_external_access": False, "autoinstall_known_extensions": False,
+               "autoload_known_extensions": False, "allow_community_extensions": False, "lock_configuration": True}
 
 
 class QueryRefused(ValueError):
     pass
 
 
+def completed_runs(store: ArtifactStore, table: str) -> list[str]:
+    """Runs whose eval stage completed (manifest written last) and that hold `table`: a half-written eval
+    prefix is never read as results. Folder names come from a shared store: only valid run names pass."""
+    done = {p.rstrip("/").split("/")[-3] for p in store.fs.glob(store.path("*", "eval", "manifest.json"))}
+    present = {p.rstrip("/").split("/")[-3] for p in store.fs.glob(store.path("*", "eval", f"{table}.parquet"))}
+    runs = []
+    for run in sorted(done & present):
+        try:
+            runs.append(check_name("run", run))
+        except ValueError:
+            print(f"rlhf query: skipped store folder {run!r}: not a valid run name", file=sys.stderr)
+    return runs
+
+
 def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
-    con = duckdb.connect()
-    prefix = store.root if store.is_local else f"s3://{store.root}"
-    if not store.is_local:
-        con.register_filesystem(store.fs)
-    # Only runs whose eval stage completed (manifest written last) are visible: a half-written eval
-    # prefix is never read as results.
-    runs = sorted(p.rstrip("/").split("/")[-3] for p in store.fs.glob(store.path("*", "eval", "manifest.json")))
+    con = duckdb.connect(config=LOCKED_DOWN)
     for view, table in VIEWS.items():
-        present = {p.rstrip("/").split("/")[-3] for p in store.fs.glob(store.path("*", "eval", f"{table}.parquet"))}
-        files = [f"{prefix}/{run}/eval/{table}.parquet" for run in runs if run in present]
-        if files:
-            listed = ", ".join(f"'{f}'" for f in files)
-            source = f"read_parquet([{listed}], union_by_name = true)"
-        else:  # no run has finished an eval yet: an empty view with the right columns
-            cols = ", ".join(f"NULL::{_duck_type(f.type)} AS {f.name}" for f in SCHEMAS[table])
-            source = f"(SELECT {cols} WHERE false)"
-        con.execute(f"CREATE VIEW {view} AS SELECT * FROM {source}")
+        files = [store.stage_path(run, "eval", f"{table}.parquet") for run in completed_runs(store, table)]
+        # The table's schema: older files missing a column read it as nulls (what union_by_name did).
+        con.register(view, pads.dataset(files, schema=SCHEMAS[table], format="parquet", filesystem=store.fs))
     return con
-
-
-def _duck_type(t: pa.DataType) -> str:
-    return {pa.string(): "VARCHAR", pa.float64(): "DOUBLE", pa.int64(): "BIGINT", pa.bool_(): "BOOLEAN"}[t]
 
 
 def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
@@ -73,8 +84,8 @@ def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
     if not statements:
         raise QueryRefused("empty query")
     for st in statements:
-        if st.type not in READ_ONLY:
-            raise QueryRefused(f"only read-only queries (SELECT, EXPLAIN, DESCRIBE) run here; refused a {st.type.name} statement")
+        if st.type != duckdb.StatementType.SELECT:
+            raise QueryRefused(f"only read-only queries (SELECT, DESCRIBE, SHOW, SUMMARIZE) run here; refused a {st.type.name} statement")
 
 
 def query(store: ArtifactStore, sql: str) -> pa.Table:

@@ -142,10 +142,10 @@ def only(*stages: str) -> list[str]:
     return [f"{s}.enabled={'true' if s in stages else 'false'}" for s in STAGES]
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """The installed `rlhf` console command, as a user runs it."""
     exe = Path(sys.executable).parent / "rlhf"
     return subprocess.run(
-        [str(exe), *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        [str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )

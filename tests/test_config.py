@@ -129,3 +129,60 @@ def test_config_is_frozen():
     cfg = load_config(CONFIG)
     with pytest.raises(Exception):
         cfg.sft.learning_rate = 1.0
+
+
+def laughs(levels: int) -> str:
+    """The 'billion laughs' document: each level is nine aliases of the previous one (9^levels nodes)."""
+    lines = ['l0: &l0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"l{i}: &l{i} [{','.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\nsft: {{job_variables: {{k: *l{levels - 1}}}}}\n"
+
+
+def test_yaml_bomb_exits_2_quickly_and_small(tmp_path):
+    """A 1 KB file standing for 9^10 nodes: refused before anything is expanded (5 s and 500 MB at most)."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(laughs(10))
+    proc = run_cli("validate", "--config", str(bomb), timeout=60)
+    assert proc.returncode == 2 and "through aliases; at most 100000" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="expands to"):
+        load_config(bomb)
+    seconds, (_, peak) = time.perf_counter() - t0, tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # Bounds on the bomb, not benchmarks: expanding it would take hours and far more than the machine's memory.
+    assert seconds < 5.0 and peak < 500e6
+    levels = ["&a [1,1,1,1,1,1,1,1,1,1]"] + [f"&{c} [{','.join([f'*{p}'] * 10)}]" for p, c in zip("abcd", "bcde")]
+    with pytest.raises(ConfigError, match="expands to 123456 nodes"):  # 1 + 11 + 111 + ... + 111111
+        apply_override({}, "sft.job_variables=[" + ", ".join(levels) + "]")
+
+
+def test_duplicate_keys_and_deep_nesting_are_refused(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("run: {name: a}\nrun: {name: b}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'run'"):
+        load_config(dup)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("sft: {job_variables: " + "{a: " * 200 + "1" + "}" * 200 + "}\n")
+    with pytest.raises(ConfigError, match="nested deeper than"):
+        load_config(deep)
+    with pytest.raises(ConfigError, match="nested deeper than"):
+        apply_override({}, "sft.job_variables=" + "[" * 100 + "]" * 100)
+
+
+@pytest.mark.parametrize("name", ["abc\n", ""])
+def test_bad_run_names_are_refused_not_ignored(name, tmp_path):
+    proc = run_cli("run", "--run-name", name, "--set", f"storage.url={tmp_path}")
+    assert proc.returncode == 2 and "run.name: invalid run name" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_names_stay_strings(tmp_path):
+    """`--run-name 123` or `2024-01-01` is the name as typed, not a YAML number or date."""
+    for name in ("123", "2024-01-01"):
+        proc = run_cli("report", name, "--set", f"storage.url={tmp_path}", "--out", str(tmp_path / name))
+        assert "run.name" not in proc.stderr, proc.stderr
