@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no trailing newline slips by
-STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
+STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -250,6 +250,42 @@ class RolloutConfig(Placement):
     batch_size: int = Field(16, ge=1)  # prompts per generate call
 
 
+class PreferencesConfig(Placement):
+    """On-policy preference pairs: K sampled answers per prompt from the policy, judged, best vs worst.
+
+    The reward model, the reference cache / DPO and KTO train on these pairs when this stage is enabled
+    (and data.prefs_path is unset), as in InstructGPT (comparisons of the policy's own samples) and
+    RLHFlow's iterative DPO. Held-out prompts give `eval_pairs`, on which the reward model is scored.
+    """
+
+    enabled: bool = False  # build pairs from the policy's own samples (else: data.prefs_path or the task's pairs)
+    policy: Literal["base", "sft"] = "sft"  # whose samples are judged
+    samples_per_prompt: int = Field(4, ge=2)  # K answers per prompt
+    prompts: int | None = Field(None, ge=1)  # training prompts to sample (None: all of data.train_size)
+    eval_prompts: int = Field(64, ge=0)  # held-out prompts whose pairs score the reward model (at most data.eval_size)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)  # sampling temperature (K > 1 needs diversity)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
+    max_new_tokens: int = Field(16, ge=1, le=4096)  # answer budget in tokens
+    batch_size: int = Field(32, ge=1)  # prompts per generate call
+    seed: int = Field(0, ge=0, lt=2**32)  # sampling seed
+    # verifier: the task's check; function: `reward_function` ('module:function', TRL's signature);
+    # reward_model: a sequence-classification model at `reward_model_path` (a local folder or hub id)
+    judge: Literal["verifier", "function", "reward_model"] = "verifier"
+    reward_function: str | None = None
+    reward_model_path: str | None = None
+    # best_worst: one pair per prompt, the highest- vs the lowest-scored answer; all_pairs: every two
+    # answers with different scores. Equal scores are ties: dropped and counted.
+    pairing: Literal["best_worst", "all_pairs"] = "best_worst"
+
+    @model_validator(mode="after")
+    def _judge(self) -> PreferencesConfig:
+        if (self.judge == "function") != (self.reward_function is not None):
+            raise ValueError("reward_function: set it exactly when judge is 'function' ('module:function')")
+        if (self.judge == "reward_model") != (self.reward_model_path is not None):
+            raise ValueError("reward_model_path: set it exactly when judge is 'reward_model'")
+        return self
+
+
 class DPOConfig(TrainerOptions):
     enabled: bool = False  # run DPO (needs ref_logprobs)
     learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
@@ -431,6 +467,7 @@ class PipelineConfig(Strict):
     sft: SFTConfig = SFTConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
     ref_logprobs: RefLogprobsConfig = RefLogprobsConfig()
+    preferences: PreferencesConfig = PreferencesConfig()
     rollout: RolloutConfig = RolloutConfig()
     dpo: DPOConfig = DPOConfig()
     kto: KTOConfig = KTOConfig()
@@ -445,6 +482,15 @@ class PipelineConfig(Strict):
     def _cross(self) -> PipelineConfig:
         if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
             raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
+        prefs = self.preferences
+        if prefs.enabled and prefs.policy == "sft" and not self.sft.enabled:
+            raise ValueError("preferences.policy: 'sft' needs sft.enabled: true; use 'base' or enable sft")
+        if prefs.enabled and self.data.prefs_path is not None:
+            raise ValueError("preferences.enabled: data.prefs_path is set too; say which pairs to train on by "
+                             "disabling one of them")
+        if prefs.enabled and prefs.eval_prompts > self.data.eval_size:
+            raise ValueError(f"preferences.eval_prompts: at most data.eval_size ({self.data.eval_size}), "
+                             f"got {prefs.eval_prompts}")
         if self.dpo.enabled and not self.ref_logprobs.enabled:
             raise ValueError("dpo.enabled: DPO reads cached reference log-probs; set ref_logprobs.enabled: true")
         if self.dpo.enabled and self.dpo.max_length != self.ref_logprobs.max_length:

@@ -18,14 +18,18 @@ def kl_k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     return logp - logp_ref
 
 
-def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
+def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """exp(log ref - log pi) - (log ref - log pi) - 1: unbiased, >= 0, 0 iff the log-probs match
-    (DeepSeekMath eq. 4 uses it as GRPO's penalty)."""
+    (DeepSeekMath eq. 4 uses it as GRPO's penalty).
+
+    Computed as expm1(d) - d: exp(d) - 1 - d cancels to nothing in float32 for |d| < 1e-4 (k3 ~ d^2 / 2).
+    `mask` zeroes d on padding *before* the exponential: a padded position's log-prob can be below -88,
+    where exp overflows to inf, and inf * 0 in a later masked mean (or its gradient) is NaN.
+    """
     d = logp_ref - logp
-    return torch.exp(d) - d - 1
-
-
-KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
+    if mask is not None:
+        d = d.masked_fill(~mask.bool(), 0.0)
+    return torch.expm1(d) - d
 
 
 def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
@@ -109,6 +113,11 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 
 
 def adaptive_kl_beta(beta: float, kl: float, target: float, horizon: int, n_steps: int) -> float:
-    """Ziegler et al. 2019, sec. 2.2: e = clip(KL / target - 1, -0.2, 0.2); beta <- beta (1 + e n / H)."""
+    """Ziegler et al. 2019, sec. 2.2: e = clip(KL / target - 1, -0.2, 0.2); beta <- beta (1 + e n / H).
+
+    Deviation: n / H is capped at 1, so one update moves beta by at most 20% either way. The paper's
+    rule assumes n << H; with n > 5H (beta 0.1, H 100, n 600, e -0.2 gives 0.1 * (1 - 1.2) = -0.02)
+    the coefficient would turn negative and reward moving away from the reference.
+    """
     error = min(max(kl / target - 1.0, -0.2), 0.2)
-    return beta * (1.0 + error * n_steps / horizon)
+    return beta * (1.0 + error * min(n_steps / horizon, 1.0))

@@ -30,6 +30,7 @@ log = logging.getLogger("rlhf.runner")
 # stage -> module. Stages of later issues join this table as they land.
 STAGE_MODULES = {
     "sft": "stages.sft",
+    "preferences": "stages.preferences",
     "reward_model": "stages.reward_model",
     "ref_logprobs": "stages.ref_logprobs",
     "dpo": "stages.dpo",
@@ -42,7 +43,7 @@ STAGE_MODULES = {
 # Shared stage code a stage runs besides its own module (part of its code version).
 STAGE_EXTRA = {"ppo": ("stages/rl.py",), "grpo": ("stages/rl.py",), "dpo": ("stages/ref_logprobs.py",),
                "kto": ("stages/ref_logprobs.py",)}
-DAG_ORDER = ("sft", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
+DAG_ORDER = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 # Every rlhf/ module but the CLI is part of every stage's code version (content key): conservative,
 # since a change anywhere in the shared code may change any stage's outputs.
 NOT_CODE = {"cli.py", "__init__.py"}
@@ -77,14 +78,18 @@ class StageContext:
 def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
     """The stages whose outputs `stage` reads (their keys are part of its content key)."""
     sft = ["sft"] if cfg.sft.enabled else []
+    # the pair-trained stages read the on-policy pairs when that stage runs (else the task's or the user's)
+    pairs = ["preferences"] if cfg.preferences.enabled else []
+    if stage == "preferences":
+        return [] if cfg.preferences.policy == "base" else ["sft"]
     if stage == "reward_model":
-        return ["sft"] if cfg.reward_model.init_from == "sft" else []
+        return [*(["sft"] if cfg.reward_model.init_from == "sft" else []), *pairs]
     if stage == "ref_logprobs":
-        return sft  # the reference is the policy DPO starts from: SFT when it runs, else the base model
+        return [*sft, *pairs]  # the reference is the policy DPO starts from: SFT when it runs, else the base model
     if stage == "dpo":
-        return [*sft, "ref_logprobs"]
+        return [*sft, *pairs, "ref_logprobs"]
     if stage == "kto":
-        return sft  # KTO keeps its own reference cache (stages/kto.py says why)
+        return [*sft, *pairs]  # KTO keeps its own reference cache (stages/kto.py says why)
     if stage == "rollout":
         return [] if cfg.rollout.policy == "base" else [cfg.rollout.policy]
     if stage in ("ppo", "grpo"):

@@ -17,7 +17,7 @@ from trl import DPOTrainer
 from rlhf.config import DPOConfig
 from rlhf.logprobs import CompletionOnlyScoring
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import preference_pairs
+from rlhf.pairs import stage_pairs
 from rlhf.runner import StageContext, StageResult
 from rlhf.training import TrainerRun, fetch_model, trainer_kwargs
 from stages.ref_logprobs import REF_LOGPS_SCHEMA
@@ -51,7 +51,7 @@ def with_reference(rows: list[dict], ref_rows: list[dict]) -> tuple[list[dict], 
 
 def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, _ = preference_pairs(pcfg.data, ctx.log)
+    rows, _ = stage_pairs(ctx)
     ref_table = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA)
     train_rows, unmatched = with_reference(rows, ref_table.select(["pair_id", *REF_COLUMNS]).to_pylist())
     init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)

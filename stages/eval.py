@@ -1,5 +1,5 @@
 """Evaluation: every listed policy answers the same held-out prompts; pairwise battles judged by the
-task verifier and/or the reward model; Bradley-Terry Elo with bootstrap 95% intervals.
+task verifier and/or the reward model; Bradley-Terry Elo with 95% intervals from a bootstrap over prompts.
 
 Judges: verifier (right beats wrong; both right or both wrong is a tie), reward model (higher score
 wins; within `tie_margin` is a tie). Per policy: verifier accuracy, mean reward-model score, mean
@@ -123,7 +123,9 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
         rs = [r for r in battle_rows if r["judge"] == judge]
         a = np.array([index[r["policy_a"]] for r in rs])
         b = np.array([index[r["policy_b"]] for r in rs])
-        r = rate(a, b, np.array([x["score_a"] for x in rs]), cfg.policies, cfg.anchor, cfg.bootstrap_rounds, cfg.seed)
+        # The bootstrap resamples prompts: all battles on one prompt share its difficulty.
+        r = rate(a, b, np.array([x["score_a"] for x in rs]), cfg.policies, cfg.anchor, cfg.bootstrap_rounds, cfg.seed,
+                 clusters=np.array([x["prompt_id"] for x in rs]))
         for i, p in enumerate(cfg.policies):
             rating_rows.append({"run": run_name, "judge": judge, "policy": p, "elo": float(r.elo[i]),
                                 "ci_low": float(r.ci_low[i]), "ci_high": float(r.ci_high[i]),

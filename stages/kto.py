@@ -31,7 +31,7 @@ from trl import KTOTrainer
 from rlhf.config import KTOConfig
 from rlhf.logprobs import CompletionOnlyScoring, completion_only_scoring, tokenize_pair
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import unpaired_examples
+from rlhf.pairs import onpolicy_pairs, unpaired_examples
 from rlhf.runner import StageContext, StageResult
 from rlhf.training import TrainerRun, fetch_model, trainer_kwargs
 from stages.ref_logprobs import TABLE, read_entry, reference_key, screen, write_entry
@@ -106,7 +106,7 @@ def to_table(dataset: Dataset) -> pa.Table:
 
 def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped = unpaired_examples(pcfg.data, ctx.log)
+    rows, dropped = unpaired_examples(pcfg.data, ctx.log, onpolicy_pairs(ctx) if "preferences" in ctx.inputs else None)
     init = Path(fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model))
     tokenizer = load_tokenizer(str(init))
     rows, problems = screen_examples(tokenizer, rows, cfg.max_length, pcfg.data.on_bad_row, ctx.log)

@@ -23,7 +23,7 @@ from rlhf import progress
 from rlhf.config import RefLogprobsConfig
 from rlhf.logprobs import TokenizedPair, length_problem, pair_logps, tokenize_pair
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import preference_pairs
+from rlhf.pairs import stage_pairs
 from rlhf.runner import StageContext, StageResult
 from rlhf.training import fetch_model
 
@@ -134,7 +134,7 @@ def to_table(pairs: list[TokenizedPair], out) -> pa.Table:
 
 def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped_rows = preference_pairs(pcfg.data, ctx.log)
+    rows, dropped_rows = stage_pairs(ctx)
     model_dir = Path(fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model))
     tokenizer = load_tokenizer(str(model_dir))
     pairs, problems = screen([tokenize_pair(tokenizer, r) for r in rows], cfg.max_length, pcfg.data.on_bad_row, ctx.log)

@@ -3,7 +3,11 @@
 Loss: Bradley-Terry, -log sigmoid(r_chosen - r_rejected) (Ouyang et al. 2022, eq. 1); with
 `use_margin` and a `margin` column, -log sigmoid(r_c - r_r - m) (Touvron et al. 2023, eq. 2).
 Initialised from the SFT policy by default, as InstructGPT does. Held-out pairwise accuracy and mean
-reward margin come from RewardTrainer.evaluate on a seeded split. Outputs: `model/`, `metrics.parquet`.
+reward margin come from RewardTrainer.evaluate: on the preferences stage's pairs of held-out prompts
+when that stage is an input (the policy's own answers to prompts the model never trained on), else on a
+seeded split. Accuracy is also reported split by which answer is longer (`eval_accuracy_chosen_longer`,
+`..._chosen_shorter`): a reward model that tracks length instead of quality shows it there (Singhal et
+al. 2023, "A Long Way to Go"). Outputs: `model/`, `metrics.parquet`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from trl import RewardConfig, RewardTrainer
 
 from rlhf.config import RewardModelConfig
 from rlhf.models import load_tokenizer, resolve_model, torch_dtype, weights_dtype
-from rlhf.pairs import preference_pairs
+from rlhf.pairs import onpolicy_pairs, stage_pairs
+from rlhf.rewards import reward_model_scores
 from rlhf.runner import StageContext, StageResult
 from rlhf.training import (
     TrainerRun,
@@ -40,9 +45,14 @@ def split(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict]
 
 def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped = preference_pairs(pcfg.data, ctx.log, keep_margin=cfg.use_margin)
+    rows, dropped = stage_pairs(ctx, keep_margin=cfg.use_margin)
     rows = [{k: v for k, v in r.items() if k != "pair_id"} for r in rows]
-    train_rows, eval_rows = split(rows, cfg.eval_fraction, pcfg.run.seed)
+    held_out_pairs = [{k: v for k, v in r.items() if k != "pair_id"} for r in onpolicy_pairs(ctx, "eval_pairs")] if (
+        "preferences" in ctx.inputs) else []
+    if held_out_pairs:  # pairs of held-out prompts: every training pair trains
+        train_rows, eval_rows = rows, held_out_pairs
+    else:
+        train_rows, eval_rows = split(rows, cfg.eval_fraction, pcfg.run.seed)
     init = fetch_model(ctx, "sft") if cfg.init_from == "sft" else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)
     model = AutoModelForSequenceClassification.from_pretrained(
@@ -75,9 +85,12 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         "reward_model/eval_margin": float(held_out["eval_margin"]),
         "reward_model/eval_loss": float(held_out["eval_loss"]),
     }
+    metrics.update(length_split_accuracy(trainer.model, tokenizer, eval_rows))
     ctx.log.info(
-        "reward_model: held-out pairwise accuracy %.3f, mean margin %.3f on %d pairs",
-        metrics["reward_model/eval_accuracy"], metrics["reward_model/eval_margin"], len(eval_rows),
+        "reward_model: held-out pairwise accuracy %.3f (chosen longer %.3f, shorter %.3f), mean margin %.3f on %d %s pairs",
+        metrics["reward_model/eval_accuracy"], metrics["reward_model/eval_accuracy_chosen_longer"],
+        metrics["reward_model/eval_accuracy_chosen_shorter"], metrics["reward_model/eval_margin"], len(eval_rows),
+        "on-policy held-out" if held_out_pairs else "split-off",
     )
     outputs = {"model": publish_model(ctx, trainer.model, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
     return StageResult(
@@ -86,3 +99,39 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         metrics=metrics,
         resumed_from_step=tr.resumed_from_step,
     )
+
+
+def accuracy_by_length(chosen_scores, rejected_scores, chosen_lengths, rejected_lengths) -> dict[str, float]:
+    """Pairwise accuracy (chosen scored strictly higher) overall and split by which answer is longer;
+    NaN for an empty split. Pairs of equal length count in the overall figure only.
+    Hand-worked: scores c [2, 0, 1], r [1, 1, 1], lengths c [5, 1, 3], r [2, 4, 3] -> correct [1, 0, 0];
+    chosen longer: pair 0 -> 1.0; chosen shorter: pair 1 -> 0.0; overall 1/3."""
+    correct = [c > r for c, r in zip(chosen_scores, rejected_scores)]
+
+    def share(keep) -> float:
+        picked = [ok for ok, k in zip(correct, keep) if k]
+        return sum(picked) / len(picked) if picked else float("nan")
+
+    return {"accuracy": share([True] * len(correct)),
+            "accuracy_chosen_longer": share([c > r for c, r in zip(chosen_lengths, rejected_lengths)]),
+            "accuracy_chosen_shorter": share([c < r for c, r in zip(chosen_lengths, rejected_lengths)])}
+
+
+def length_split_accuracy(model, tokenizer, rows: list[dict]) -> dict[str, float]:
+    """The reward model's own scores of each held-out pair's two sides (lengths: answer characters).
+    Conversational rows only (TRL's plain-text format has no assistant turn to measure): NaN otherwise."""
+    import torch
+
+    if not rows or not all(isinstance(r["chosen"], list) for r in rows):
+        return {f"reward_model/eval_{k}": float("nan") for k in ("accuracy_chosen_longer", "accuracy_chosen_shorter")}
+
+    def convs(side):
+        return [r["prompt"] + r[side] if "prompt" in r else r[side] for r in rows]
+
+    def length(r, side):
+        return sum(len(m["content"]) for m in r[side] if m["role"] == "assistant")
+
+    with torch.inference_mode():
+        chosen, rejected = reward_model_scores(model, tokenizer, convs("chosen")), reward_model_scores(model, tokenizer, convs("rejected"))
+    split = accuracy_by_length(chosen, rejected, [length(r, "chosen") for r in rows], [length(r, "rejected") for r in rows])
+    return {f"reward_model/eval_{k}": v for k, v in split.items() if k != "accuracy"}

@@ -150,7 +150,7 @@ def grpo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> Non
 def grpo_extra_loss(cfg, batch: Batch, rows, logp, mask, beta):
     if batch.logp_ref is None or cfg.beta == 0:
         return 0.0, {}
-    k3 = rl_math.masked_mean(rl_math.kl_k3(logp, batch.logp_ref[rows]), mask)
+    k3 = rl_math.masked_mean(rl_math.kl_k3(logp, batch.logp_ref[rows], mask), mask)
     return cfg.beta * k3, {"k3": k3}
 
 

@@ -5,20 +5,12 @@ token would almost never fire. The share of response tokens whose id lies in the
 vocabulary starts near 1/3 and can be pushed up within seconds: a real learning signal for tests.
 """
 
-
-def low_vocab_share(prompts, completions, completion_ids, **kwargs):
-    return [sum(t < 16384 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+from rlhf.rewards import low_vocab_share  # noqa: F401  (the tests name it as reward_fns:low_vocab_share)
 
 
 def brevity(prompts, completions, completion_ids, **kwargs):
     """1 for an empty reply, 0 for one that hits the 8-token limit: rewards stopping early (EOS)."""
     return [1.0 - min(len(ids), 8) / 8 for ids in completion_ids]
-
-
-def digit_share(prompts, completions, **kwargs):
-    """Share of response characters that are digits. After a few SFT steps on arithmetic answers the
-    tiny model emits digits part of the time, so this has variance and a shared direction to learn."""
-    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
 def nan_after_first(prompts, completions, **kwargs):

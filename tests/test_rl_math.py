@@ -17,6 +17,7 @@ from rlhf.rl_math import (
     kl_k1,
     kl_k3,
     kl_penalized_rewards,
+    masked_mean,
 )
 
 T = torch.tensor
@@ -121,3 +122,36 @@ def test_adaptive_kl_controller():
     assert adaptive_kl_beta(0.1, kl=12.0, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.1 * 1.02)
     assert adaptive_kl_beta(0.1, kl=3.0, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.1 * (1 - 0.02))
     assert adaptive_kl_beta(0.1, kl=6.0, target=6.0, horizon=100, n_steps=10) == pytest.approx(0.1)
+
+
+def test_k3_with_extreme_padding_is_finite_with_finite_gradient():
+    """The issue's case: a padded position's log-prob of -95 overflowed exp and made the mean NaN."""
+    logp = T([[-1.0, -95.0]], requires_grad=True)
+    ref, mask = T([[-1.2, 0.0]]), T([[1.0, 0.0]])
+    k3 = masked_mean(kl_k3(logp, ref, mask), mask)
+    # real token: d = -1.2 - (-1) = -0.2 -> e^-0.2 + 0.2 - 1 = 0.0187308
+    assert k3.item() == pytest.approx(math.exp(-0.2) + 0.2 - 1, rel=1e-6)
+    k3.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0
+    # d/dlogp (e^d - d - 1) with d = ref - logp is 1 - e^d = 1 - e^-0.2
+    assert logp.grad[0, 0].item() == pytest.approx(1 - math.exp(-0.2), rel=1e-6)
+    assert masked_mean(kl_k3(logp.detach(), ref), mask).isnan()  # unmasked: the failure this guards against
+
+
+def test_k3_keeps_precision_for_tiny_differences_in_float32():
+    """k3 ~ d^2 / 2 for small d: exp(d) - 1 - d in float32 returns 0 (or noise) at d = 1e-4."""
+    lp = torch.full((3,), -2.0)
+    ref = lp + T([1e-4, -1e-4, 3e-3])
+    exact = [math.expm1(d) - d for d in (ref - lp).double().tolist()]  # the float32 d's, in float64
+    assert kl_k3(lp, ref).tolist() == pytest.approx(exact, rel=1e-3)
+    assert (torch.exp(ref - lp) - (ref - lp) - 1)[:2].tolist() == [0.0, 0.0]  # the old form lost them
+
+
+def test_adaptive_kl_beta_stays_positive_and_bounded():
+    # the issue's case: 0.1 * (1 - 0.2 * 600 / 100) would be -0.02; with n / H capped at 1: 0.1 * 0.8
+    assert adaptive_kl_beta(0.1, kl=0.0, target=6.0, horizon=100, n_steps=600) == pytest.approx(0.08)
+    assert adaptive_kl_beta(0.1, kl=100.0, target=6.0, horizon=100, n_steps=600) == pytest.approx(0.12)
+    beta = 0.1
+    for _ in range(200):  # a long run of low KL shrinks beta geometrically, never through zero
+        beta = adaptive_kl_beta(beta, kl=0.0, target=6.0, horizon=10, n_steps=1000)
+    assert 0 < beta < 1e-15

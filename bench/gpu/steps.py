@@ -150,7 +150,7 @@ def objectives(m: Models, device: str, autocast):
             with autocast():
                 lp = token_logps(policy, ids, RL_PROMPT)
             pg, _ = rl_math.clipped_surrogate(lp, old, adv, mask, 0.2)
-            (rl_math.masked_mean(pg, mask) + 0.04 * rl_math.masked_mean(rl_math.kl_k3(lp, ref), mask)).backward()
+            (rl_math.masked_mean(pg, mask) + 0.04 * rl_math.masked_mean(rl_math.kl_k3(lp, ref, mask), mask)).backward()
             opt_step([opt])
         return step, n * SEQ, 2 * n * SEQ
 

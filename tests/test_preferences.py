@@ -1,0 +1,89 @@
+"""On-policy preference pairs: the pair builder by hand, the stage on the tiny profile (schema, provenance,
+ties), the stages downstream reading its pairs, content keys that follow the SFT key, config refusals,
+and the reward model's accuracy split by length."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import only
+from rlhf.loader import ConfigError
+from rlhf.pairs import PAIRS_SCHEMA, build_pairs
+from rlhf.preflight import predicted_keys
+from rlhf.runner import execute_stage
+from rlhf.store import ArtifactStore
+from stages.reward_model import accuracy_by_length
+
+PAIR_STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo")
+
+
+def test_build_pairs_by_hand():
+    # scores [1, 0, 1, 0.5]: the first best (0) vs the first worst (1)
+    assert build_pairs([1.0, 0.0, 1.0, 0.5], "best_worst") == ([(0, 1)], 0)
+    # every two answers with different scores, the higher first; (0, 2) is the one tie
+    assert build_pairs([1.0, 0.0, 1.0, 0.5], "all_pairs") == ([(0, 1), (0, 3), (2, 1), (3, 1), (2, 3)], 1)
+    assert build_pairs([0.0, 0.0, 0.0], "best_worst") == ([], 1)  # all equal: one tie, no pair
+    assert build_pairs([0.0, 0.0, 0.0], "all_pairs") == ([], 3)
+    assert build_pairs([0.2, 0.9], "best_worst") == ([(1, 0)], 0)
+    with pytest.raises(ValueError, match="unknown mode"):
+        build_pairs([0.0, 1.0], "best_of_n")
+
+
+def test_accuracy_by_length_by_hand():
+    # correct: [2 > 1, 0 > 1, 1 > 1] = [1, 0, 0]; chosen longer only in pair 0, shorter only in pair 1
+    out = accuracy_by_length([2.0, 0.0, 1.0], [1.0, 1.0, 1.0], [5, 1, 3], [2, 4, 3])
+    assert out == {"accuracy": pytest.approx(1 / 3), "accuracy_chosen_longer": 1.0, "accuracy_chosen_shorter": 0.0}
+
+
+def test_stage_writes_judged_pairs_that_downstream_stages_train_on(tiny_cfg):
+    cfg = tiny_cfg(*only(*PAIR_STAGES))
+    sft = execute_stage(cfg, "sft")
+    prefs = execute_stage(cfg, "preferences")
+    store = ArtifactStore(cfg.storage)
+    table = store.read_table(store.stage_path(cfg.run.name, "preferences", "pairs.parquet"), PAIRS_SCHEMA)
+    rows = table.to_pylist()
+    n_prompts = cfg.data.train_size
+    # best_worst: one pair or one tie per prompt
+    assert prefs["rows"]["pairs"] + prefs["rows"]["pairs_ties"] == n_prompts and len(rows) == prefs["rows"]["pairs"] > 0
+    assert prefs["rows"]["samples"] == (n_prompts + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt
+    for r in rows:
+        assert r["chosen_score"] > r["rejected_score"] and r["chosen_index"] != r["rejected_index"]
+        assert r["policy_key"] == sft["key"] and r["judge"] == "function:rlhf.rewards:low_vocab_share"
+        assert r["prompt"][0]["role"] == "user" and r["chosen"][0]["role"] == "assistant"
+        assert r["pair_id"] == f"{r['prompt_id']}:{r['chosen_index']}:{r['rejected_index']}"
+    assert prefs["inputs"] == {"sft": sft["key"]}
+
+    rm = execute_stage(cfg, "reward_model")
+    assert rm["inputs"].keys() == {"sft", "preferences"}
+    # trained on every training pair, scored on the held-out prompts' pairs
+    assert rm["rows"]["train_pairs"] == len(rows) and rm["rows"]["eval_pairs"] == prefs["rows"]["eval_pairs"]
+    assert {"reward_model/eval_accuracy_chosen_longer", "reward_model/eval_accuracy_chosen_shorter"} <= rm["metrics"].keys()
+    ref = execute_stage(cfg, "ref_logprobs")
+    assert ref["rows"]["pairs"] == len(rows) and ref["inputs"].keys() == {"sft", "preferences"}
+    dpo = execute_stage(cfg, "dpo")
+    assert dpo["rows"]["train_pairs"] == len(rows)
+
+
+def test_pairs_key_follows_the_sft_key_and_reaches_downstream(tiny_cfg):
+    base = predicted_keys(tiny_cfg(*only(*PAIR_STAGES)))
+    other_sft = predicted_keys(tiny_cfg(*only(*PAIR_STAGES), "sft.learning_rate=2e-3"))
+    other_judge = predicted_keys(tiny_cfg(*only(*PAIR_STAGES), "preferences.pairing=all_pairs"))
+    assert all(other_sft[s] != base[s] for s in PAIR_STAGES)
+    assert other_judge["sft"] == base["sft"]
+    assert all(other_judge[s] != base[s] for s in ("preferences", "reward_model", "ref_logprobs", "dpo"))
+    # without the stage, the pair-trained stages read the task's pairs: keys without a preferences input
+    off = predicted_keys(tiny_cfg(*only("sft", "reward_model", "ref_logprobs", "dpo")))
+    assert "preferences" not in off and off["reward_model"] != base["reward_model"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.prefs_path=/tmp/pairs.jsonl"], "preferences.enabled: data.prefs_path is set too"),
+    (["sft.enabled=false"], "preferences.policy: 'sft' needs sft.enabled: true"),
+    (["preferences.judge=verifier"], "reward_function: set it exactly when judge is 'function'"),
+    (["preferences.reward_model_path=/tmp/rm"], "reward_model_path: set it exactly when judge is 'reward_model'"),
+    (["preferences.eval_prompts=100"], "preferences.eval_prompts: at most data.eval_size"),
+    (["preferences.samples_per_prompt=1"], "preferences.samples_per_prompt"),
+])
+def test_bad_preferences_config_names_the_key(tiny_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tiny_cfg(*only("sft", "preferences"), *overrides)
