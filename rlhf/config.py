@@ -271,8 +271,8 @@ class PreferencesConfig(Placement):
     # verifier: the task's check; function: `reward_function` ('module:function', TRL's signature);
     # reward_model: a sequence-classification model at `reward_model_path` (a local folder or hub id)
     judge: Literal["verifier", "function", "reward_model"] = "verifier"
-    reward_function: str | None = None
-    reward_model_path: str | None = None
+    reward_function: str | None = None  # 'module:function' when judge is 'function'
+    reward_model_path: str | None = None  # a reward model folder or hub id when judge is 'reward_model'
     # best_worst: one pair per prompt, the highest- vs the lowest-scored answer; all_pairs: every two
     # answers with different scores. Equal scores are ties: dropped and counted.
     pairing: Literal["best_worst", "all_pairs"] = "best_worst"
