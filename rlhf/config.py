@@ -363,7 +363,11 @@ class RLOptions(Placement):
     max_grad_norm: float = Field(1.0, gt=0.0)  # gradient clipping by global norm
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, slower
     save_every: int = Field(5, ge=1)  # checkpoint (policy, critic, optimizers, KL controller) every N iterations
-    max_kl: float = Field(10.0, gt=0.0)  # hard stop: mean per-sequence KL above this ends the stage
+    max_kl: float = Field(10.0, gt=0.0, allow_inf_nan=False)  # hard stop: mean per-sequence KL above this ends the stage
+    # logp_old, the ratio's denominator: recompute it with a forward pass before the update, or take the
+    # sampler's log-probs (saves that pass; exact only for the same weights and numerics, and not with
+    # top_p < 1, which renormalises the sampler's distribution; logp_mismatch_* report the gap)
+    logp_old: Literal["recompute", "rollout"] = "recompute"
     # LoRA on the policy: the reference is then the same model with its adapters off (no second copy)
     lora: LoraConfig = LoraConfig()
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
@@ -421,6 +425,10 @@ class GRPOConfig(RLOptions):
     group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
     beta: float = Field(0.04, ge=0.0)  # k3 KL penalty weight in the loss (DeepSeekMath sec. 4.1)
     clip_eps_high: float | None = Field(None, gt=0.0, lt=1.0)  # DAPO clip-higher (Yu et al. 2025)
+    # drop groups whose G rewards are all equal before scoring and updating: their advantages are 0, so
+    # they cost a full forward/backward for no policy gradient (DAPO's dynamic sampling, Yu et al. 2025,
+    # sec. 3.2, without its refill: the iteration trains on fewer samples instead of sampling more)
+    skip_uniform_groups: bool = False
     minibatch_size: int = Field(16, ge=1)  # rollouts per optimizer step; divides prompts x group_size
 
     def samples_per_prompt(self) -> int:

@@ -71,6 +71,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
 
 
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N] bool, True for every sample of a group whose rewards are not all equal (DAPO's dynamic
+    sampling keeps only these, Yu et al. 2025, eq. 11: 0 < |{correct}| < G for 0/1 rewards).
+    rewards: [N] ordered group by group. Hand-worked, G = 2: [1, 1, 0, 1, 0, 0] -> [F, F, T, T, F, F]."""
+    r = rewards.view(-1, group_size)
+    return (r.max(1).values > r.min(1).values).repeat_interleave(group_size)
+
+
 def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                       clip_eps: float, clip_eps_high: float | None = None, dual_clip: float | None = None
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -294,11 +294,27 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         with autocast(pcfg.model, device.type):
             gens, scores = generate_and_score(engine, problems, params, reward)
         scores = scores.to(device)
+        n_sampled, reward_sampled = len(gens), scores.mean().item()
+        if getattr(cfg, "skip_uniform_groups", False):
+            keep = rl_math.informative_groups(scores, cfg.group_size)
+            gens, scores = [g for g, k in zip(gens, keep.tolist()) if k], scores[keep]
+            if not gens:  # every group uniform: nothing to learn from this iteration's samples
+                ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
+                             algo, it, reward_sampled)
+                if dist.is_main():
+                    write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, "trained_fraction": 0.0,
+                                                      "kl_beta": state["beta"], "seconds": time.perf_counter() - t0})
+                progress.report(ctx.stage, it, cfg.iterations)
+                if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
+                    save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
+                continue
         probs = [problems[g.prompt_index] for g in gens]
         prompt_ids = [chat_ids(tok, [user(p.question)]) for p in probs]
         batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
         with autocast(pcfg.model, device.type):
-            batch.logp_old = score_all(policy, batch, roll.temperature, cfg.minibatch_size)
+            # the sampler's log-probs already are the pre-update policy's (config says when that holds)
+            batch.logp_old = (batch.logp_rollout * batch.mask if cfg.logp_old == "rollout"
+                              else score_all(policy, batch, roll.temperature, cfg.minibatch_size))
             if use_ref:
                 batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
             if critic is not None:
@@ -317,7 +333,9 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             state["beta"] = rl_math.adaptive_kl_beta(state["beta"], kl_seq, cfg.kl.target, cfg.kl.horizon, len(gens))
         tokens = int(batch.mask.sum())
         seconds = time.perf_counter() - t0
-        metrics = {"reward_mean": scores.mean().item(), "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+        metrics = {"reward_mean": reward_sampled, "reward_trained_mean": scores.mean().item(),
+                   "trained_fraction": len(gens) / n_sampled,
+                   "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
                    "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
                    "tokens_per_s": tokens / seconds, "seconds": seconds, **stats}
         if dist.is_main():
@@ -476,6 +494,10 @@ def write_iteration(ctx, it, algo, problems, gens, probs, batch: Batch, scores, 
         "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
     } for i, g in enumerate(gens)]
     ctx.store.write_table(ctx.path("experience", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(rows, schema=EXPERIENCE_SCHEMA), EXPERIENCE_SCHEMA)
+    write_metrics_row(ctx, it, algo, metrics)
+
+
+def write_metrics_row(ctx, it: int, algo: str, metrics: dict) -> None:
     m = [{"stage": algo, "step": it, "epoch": None, "name": k, "value": float(v)} for k, v in metrics.items()]
     ctx.store.write_table(ctx.path("iterations", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(m, schema=METRICS_SCHEMA), METRICS_SCHEMA)
 

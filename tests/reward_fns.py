@@ -16,3 +16,9 @@ def brevity(prompts, completions, completion_ids, **kwargs):
 def nan_after_first(prompts, completions, **kwargs):
     """A broken reward: NaN for every sample (drives the NaN guard)."""
     return [float("nan")] * len(completions)
+
+
+def uniform_on_sums(prompts, completions, completion_ids, **kwargs):
+    """0.5 for every answer to an addition problem (its GRPO group is uniform), else low_vocab_share."""
+    shares = low_vocab_share(prompts, completions, completion_ids)
+    return [0.5 if "+" in p else s for p, s in zip(prompts, shares)]

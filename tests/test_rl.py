@@ -270,3 +270,29 @@ def test_policy_scoring_projects_only_response_positions():
     want = torch.log_softmax(full[:, p_w - 1 : -1].float() / 0.7, -1).gather(-1, ids[:, p_w:, None])[..., 0]
     assert rows[0] == t_w + 1 < ids.shape[1] / 2
     torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
+
+
+def test_grpo_skips_uniform_groups_and_can_reuse_sampler_logps(tiny_cfg):
+    """skip_uniform_groups: groups whose rewards are all equal never reach the update (nor the experience
+    table); logp_old: rollout takes the sampler's log-probs, which match a recomputed forward."""
+    cfg = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=2", "grpo.prompts_per_iteration=6", "grpo.group_size=4",
+                 "grpo.minibatch_size=8", "grpo.skip_uniform_groups=true", "grpo.logp_old=rollout",
+                 "grpo.reward_function=reward_fns:uniform_on_sums")
+    execute_stage(cfg, "grpo")
+    store = ArtifactStore(cfg.storage)
+    metrics = store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
+    for it in (1, 2):
+        exp = store.read_table(store.stage_path(cfg.run.name, "grpo", "experience", f"iter-{it:06d}.parquet"),
+                               EXPERIENCE_SCHEMA).to_pylist()
+        assert exp and all("+" not in r["prompt"] for r in exp)  # no addition (uniform group) trained
+        assert len(exp) % 4 == 0 and len(exp) < 24
+        fraction = next(r["value"] for r in metrics if r["step"] == it and r["name"] == "trained_fraction")
+        assert fraction == len(exp) / 24
+        assert all(r["logp_old"] == r["logp_rollout"] for r in exp)
+    # the same first iteration with logp_old recomputed: the sampler's numbers equal a full forward's
+    again = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=1", "grpo.prompts_per_iteration=6", "grpo.group_size=4",
+                   "grpo.minibatch_size=8", "grpo.skip_uniform_groups=true", "run.name=recompute",
+                   "grpo.reward_function=reward_fns:uniform_on_sums")
+    execute_stage(again, "grpo")
+    m = store.read_table(store.stage_path("recompute", "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
+    assert next(r["value"] for r in m if r["name"] == "logp_mismatch_max") < 1e-3

@@ -13,6 +13,7 @@ from rlhf.rl_math import (
     clipped_value_loss,
     entropy_from_logits,
     gae,
+    informative_groups,
     group_advantages,
     kl_k1,
     kl_k3,
@@ -155,3 +156,9 @@ def test_adaptive_kl_beta_stays_positive_and_bounded():
     for _ in range(200):  # a long run of low KL shrinks beta geometrically, never through zero
         beta = adaptive_kl_beta(beta, kl=0.0, target=6.0, horizon=10, n_steps=1000)
     assert 0 < beta < 1e-15
+
+
+def test_informative_groups_by_hand():
+    keep = informative_groups(T([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), group_size=2)
+    assert keep.tolist() == [False, False, True, True, False, False]
+    assert informative_groups(T([0.3, 0.3, 0.3, 0.31]), group_size=4).tolist() == [True] * 4
