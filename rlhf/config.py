@@ -95,6 +95,9 @@ class DataConfig(Strict):
     seed: int = 0  # seed of the generated problems and of KTO's example order
     train_size: int = Field(1000, ge=1)  # training problems (SFT demonstrations, preference pairs, RL prompts)
     eval_size: int = Field(100, ge=1)  # held-out problems, never trained on
+    # RL prompts: 0 uses the training problems (whose gold answers SFT has seen); N > 0 draws up to N fresh
+    # problems, disjoint from train and eval, as InstructGPT keeps separate SFT and PPO prompt sets
+    rl_size: int = Field(0, ge=0, le=1_000_000)
     # User data in TRL's standard formats (JSONL, Parquet or a Hugging Face dataset name).
     # When set, it replaces the task's generated data for that use.
     sft_path: str | None = None
@@ -120,12 +123,31 @@ class StorageConfig(Strict):
     region: str = "us-west-1"  # S3 region
     # Transient storage errors (connection refused/reset, timeouts) are retried with exponential
     # backoff this many times in total, then the operation fails naming the URL.
-    attempts: int = Field(4, ge=1)
-    backoff_seconds: float = Field(0.5, ge=0.0)  # first retry delay; doubles each attempt
+    attempts: int = Field(4, ge=1, le=100)
+    backoff_seconds: float = Field(0.5, ge=0.0, le=3600.0)  # first retry delay; doubles each attempt
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        # Refused rather than redacted: a secret in the config would reach manifests, eval's `run` table,
+        # logs and Prefect's flow parameters. The value is not echoed back.
+        if v is None:
+            return v
+        m = re.fullmatch(r"(https?)://([^/?#\s]+)(/[^\s]*)?", v)
+        if not m:
+            raise ValueError("must look like http(s)://host[:port]")
+        if "@" in m.group(2):
+            raise ValueError("carries credentials (user:password@); give them as AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY in the environment instead")
+        return v
 
     @field_validator("url")
     @classmethod
     def _url(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("is empty; give a local folder or s3://bucket/prefix")
+        if re.match(r"[A-Za-z0-9+.-]+://[^/]*@", v):
+            raise ValueError("carries credentials; give them through the environment (AWS_*) instead")
         scheme = v.split("://", 1)[0] if "://" in v else "file"
         if scheme not in ("file", "s3"):
             raise ValueError(f"scheme {scheme!r} is not supported; use a local path, file:// or s3://")

@@ -170,7 +170,7 @@ def validate(raw: dict, source: str) -> PipelineConfig:
 
 
 def _resolve_local(url: str | None, base: Path) -> str | None:
-    if url is None or "://" in url and not url.startswith("file://"):
+    if url is None or not url.strip() or "://" in url and not url.startswith("file://"):
         return url
     path = Path(url.removeprefix("file://")).expanduser()
     return str(path if path.is_absolute() else (base / path).resolve())

@@ -57,6 +57,20 @@ class Task:
         evals = [Problem(f"eval-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(held_out)]
         return train, evals
 
+    @cached_property
+    def rl(self) -> list[Problem]:
+        """RL prompts: the training problems, or (data.rl_size > 0) a fresh draw from a third seed with
+        every question of train and eval removed."""
+        if not self.cfg.rl_size:
+            return self.train
+        seen = {p.question for p in self.train} | {p.question for p in self.eval}
+        fresh = []
+        for e in self._generate(self.cfg.seed + 2_000_003, self.cfg.rl_size * 2):
+            if e["question"] not in seen:
+                seen.add(e["question"])
+                fresh.append(e)
+        return [Problem(f"rl-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(fresh[: self.cfg.rl_size])]
+
     @property
     def train(self) -> list[Problem]:
         return self._splits[0]

@@ -289,7 +289,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     for it in range(first, cfg.iterations + 1):
         t0 = time.perf_counter()
         rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
-        problems = rng.sample(task.train, cfg.prompts_per_iteration)
+        problems = rng.sample(task.rl, cfg.prompts_per_iteration)
         params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, n_samples, pcfg.run.seed * 7919 + it)
         with autocast(pcfg.model, device.type):
             gens, scores = generate_and_score(engine, problems, params, reward)

@@ -67,13 +67,18 @@ def test_relative_storage_url_resolves_against_config_folder(tmp_path):
         ("grpo.reward_source=function", "grpo.reward_function: set it exactly when reward_source is 'function'"),
         ("dpo.label_smoothing=0.1", "dpo.label_smoothing: only loss_type 'robust' uses it"),
         ("eval.samples_per_prompt=4", "eval.samples_per_prompt: greedy decoding (temperature 0) gives one sample"),
+        ("storage.endpoint_url=http://key:s3cr3t@127.0.0.1:8333", "storage.endpoint_url: carries credentials"),
+        ("storage.url=s3://key:s3cr3t@bucket/x", "storage.url: carries credentials"),
+        ("storage.url=", "storage.url: is empty"),
+        ("grpo.max_kl=.inf", "grpo.max_kl: input should be a finite number"),
+        ("preferences.samples_per_prompt=1", "preferences.samples_per_prompt: must be >= 2, got 1"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(override, expected):
     proc = run_cli("validate", "--profile", "tiny", "--set", override)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert expected in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and "s3cr3t" not in proc.stdout + proc.stderr
 
 
 def test_validate_reports_several_problems_at_once():
