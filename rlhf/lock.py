@@ -2,13 +2,15 @@
 
 `<root>/<run>/_lock.json` holds {owner, host, pid, started, heartbeat}. A second launch of the same run
 name is refused while the heartbeat is fresh; a lock whose heartbeat is older than `stale_after`
-seconds (its run died without releasing it) is taken over. Object stores have no portable
+seconds (its run died without releasing it) is taken over, and so, at once, is a lock naming this host
+and a process id that no longer exists; every takeover is logged. Object stores have no portable
 create-if-absent, so acquisition writes, waits briefly and reads back: if another owner won the race,
 we refuse. Different run names never touch each other's locks.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -19,6 +21,7 @@ from datetime import datetime, timezone
 from rlhf.store import ArtifactStore
 
 LOCK = "_lock.json"
+log = logging.getLogger("rlhf.lock")
 
 
 class RunLocked(RuntimeError):
@@ -27,6 +30,16 @@ class RunLocked(RuntimeError):
 
 def _now() -> float:
     return time.time()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 class RunLock:
@@ -44,7 +57,7 @@ class RunLock:
 
     def acquire(self) -> None:
         current = self.store.read_json(self.path)
-        if current and current["owner"] != self.owner and _now() - current["heartbeat"] < self.stale_after:
+        if current and current.get("owner") != self.owner and not self._takeover(current):
             since = datetime.fromtimestamp(current["started"], timezone.utc).isoformat(timespec="seconds")
             raise RunLocked(
                 f"run {self.run!r} is already running (host {current['host']}, pid {current['pid']}, since {since}); "
@@ -58,6 +71,23 @@ class RunLock:
             raise RunLocked(f"run {self.run!r} was claimed by another launch at the same moment")
         self._thread = threading.Thread(target=self._beat, daemon=True)
         self._thread.start()
+
+    def _takeover(self, current: dict) -> bool:
+        """Whether another owner's lock may be taken over (logged when it is): its heartbeat is older than
+        stale_after, or it names this host and a process that no longer exists (no need to wait then).
+        The record comes from a shared store: fields of the wrong type count as a stale lock."""
+        heartbeat, pid, host = current.get("heartbeat"), current.get("pid"), current.get("host")
+        if not isinstance(heartbeat, (int, float)) or not isinstance(pid, int) or isinstance(pid, bool):
+            reason = "it is malformed"
+        elif _now() - heartbeat >= self.stale_after:
+            reason = f"its heartbeat is {_now() - heartbeat:.0f} s old"
+        elif host == socket.gethostname() and pid > 0 and not _alive(pid):
+            reason = f"its process {pid} on this host is gone"
+        else:
+            return False
+        log.warning("run %r: taking over the lock of owner %s (host %s, pid %s): %s", self.run,
+                    str(current.get("owner"))[:12], str(host)[:64], str(pid)[:12], reason)
+        return True
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_every):

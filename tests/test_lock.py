@@ -40,6 +40,28 @@ def test_stale_lock_is_taken_over(tmp_path):
         assert store.read_json(store.path("exp", "_lock.json"))["owner"] == lock.owner
 
 
+def test_same_host_dead_process_lock_is_taken_over_at_once_and_logged(tmp_path, caplog):
+    """A fresh heartbeat, but the lock names this host and a process that has exited: no 120 s wait."""
+    import socket
+
+    store = ArtifactStore(StorageConfig(url=str(tmp_path)))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)
+    fresh = {"owner": "crashed", "host": socket.gethostname(), "pid": pid, "started": time.time(), "heartbeat": time.time()}
+    store.write_json(store.path("exp", "_lock.json"), fresh)
+    with caplog.at_level("WARNING", logger="rlhf.lock"), RunLock(store, "exp", stale_after=120) as lock:
+        assert store.read_json(store.path("exp", "_lock.json"))["owner"] == lock.owner
+    assert f"its process {pid} on this host is gone" in caplog.text
+    # a live process on this host (this one), or any process on another host, still holds its lock
+    for holder in ({**fresh, "pid": os.getpid()}, {**fresh, "host": "elsewhere"}):
+        store.write_json(store.path("exp", "_lock.json"), holder)
+        with pytest.raises(RunLocked, match="already running"):
+            RunLock(store, "exp").acquire()
+    store.write_json(store.path("exp", "_lock.json"), {**fresh, "pid": "1; rm -rf /", "heartbeat": "soon"})
+    with RunLock(store, "exp"):  # a malformed record from the store: treated as stale, not a crash
+        pass
+
+
 def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     exe = str(Path(sys.executable).parent / "rlhf")
     common = ["run", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", o] for o in only("sft")), [])]
