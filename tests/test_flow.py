@@ -11,7 +11,7 @@ from conftest import CONFIG, REPO, run_cli
 from rlhf.loader import load_config
 from rlhf.store import ArtifactStore
 
-STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
+STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
 
 
 def readme_queries() -> list[tuple[list[str], str]]:

@@ -23,7 +23,7 @@ from conftest import REPO, run_cli
 from rlhf.config import StorageConfig
 from rlhf.store import ArtifactStore
 
-STAGES = ("sft", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
+STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
 PREFECT = str(Path(sys.executable).parent / "prefect")
 # Long enough that each stage is still running a few seconds after its first checkpoint.
 OVERRIDES = ["sft.max_steps=16", "sft.save_steps=4", "grpo.iterations=6", "grpo.save_every=2"]
@@ -112,7 +112,7 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
         assert "stage 'grpo' on work pool 'gpu' ended Crashed: no heartbeat" in cpu_log()
         assert store.require_manifest("tiny", "sft")["resumed_from_step"] in (4, 8, 12)
         assert store.read_manifest("tiny", "grpo") is None and store.read_manifest("tiny", "eval") is None
-        done = {s: store.require_manifest("tiny", s)["key"] for s in ("sft", "reward_model", "ref_logprobs", "dpo")}
+        done = {s: store.require_manifest("tiny", s)["key"] for s in ("sft", "preferences", "reward_model", "ref_logprobs", "dpo")}
 
         # 3. Worker back; `prefect flow-run retry` of the failed run: completed stages skip, GRPO resumes.
         # (`rlhf deploy`, the cluster path, re-registers the same deployments on the running server.)

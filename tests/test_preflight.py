@@ -83,7 +83,7 @@ def test_estimator_reproduces_the_published_1_5b_table(tmp_path):
 def test_estimates_cover_every_enabled_stage_and_grow_with_batch():
     cfg = load_config(CONFIG, "default", ["ppo.enabled=true"])
     est = stage_estimates(cfg)
-    assert set(est) == {"sft", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "eval"}
+    assert set(est) == {"sft", "preferences", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "eval"}
     assert est["ppo"]["total"] > est["grpo"]["total"] > est["ref_logprobs"]["total"]  # critic, then inference
     bigger = stage_estimates(load_config(CONFIG, "default", ["sft.per_device_batch_size=32"]))
     assert bigger["sft"]["activations"] == pytest.approx(4 * est["sft"]["activations"], rel=0.02)

@@ -55,3 +55,13 @@ def test_demonstrations_and_pairs_are_conversational_and_verified():
 def test_wrong_answer_for_non_numeric_gold_comes_from_the_pool():
     assert wrong_answer("cat", random.Random(0), ["dog"]) == "dog"
     assert wrong_answer("12", random.Random(0), []) != "12"
+
+
+def test_rl_prompts_are_a_fresh_disjoint_draw():
+    cfg = DataConfig(train_size=50, eval_size=20, rl_size=40)
+    task = Task(cfg)
+    rl = [p.question for p in task.rl]
+    assert 0 < len(rl) <= 40 and len(set(rl)) == len(rl)  # up to rl_size, no repeats
+    assert not set(rl) & {p.question for p in task.train + task.eval}
+    assert rl == [p.question for p in Task(cfg).rl] and task.rl[0].id == "rl-0"  # deterministic
+    assert Task(DataConfig(train_size=50, eval_size=20)).rl == Task(DataConfig(train_size=50, eval_size=20)).train
