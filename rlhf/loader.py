@@ -222,12 +222,20 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         if not st.enabled:
             continue
         per_step = st.per_device_batch_size * st.gradient_accumulation_steps
-        rows = {"sft": n_train, "kto": 2 * n_train}.get(name, int(n_train * (1 - getattr(st, "eval_fraction", 0.0))))
+        if name != "sft" and cfg.preferences.enabled:
+            # on-policy pairs: one per prompt whose answers are not all judged equal, known after sampling
+            prompts = min(cfg.preferences.prompts or n_train, n_train)
+            bound = prompts * (1 if cfg.preferences.pairing == "best_worst" else math.comb(cfg.preferences.samples_per_prompt, 2))
+            rows = bound * (2 if name == "kto" else 1)
+            shown = f"from the preferences stage (at most {rows})"
+        else:
+            rows = {"sft": n_train, "kto": 2 * n_train}.get(name, int(n_train * (1 - getattr(st, "eval_fraction", 0.0))))
+            shown = rows if cfg.data.sft_path is None or name != "sft" else "from data.sft_path"
         steps = st.max_steps if st.max_steps > 0 else math.ceil(rows * st.num_epochs / per_step)
         out[name] = {
             "samples_per_optimizer_step": per_step,
-            "optimizer_steps": steps,
-            "train_rows": rows if cfg.data.sft_path is None or name != "sft" else "from data.sft_path",
+            "optimizer_steps": steps if st.max_steps > 0 or shown == rows else f"at most {steps}",
+            "train_rows": shown,
             "max_tokens_seen": steps * per_step * st.max_length,
             "checkpoints": steps // st.save_steps,
         }

@@ -43,6 +43,8 @@ STAGE_MODULES = {
 # Shared stage code a stage runs besides its own module (part of its code version).
 STAGE_EXTRA = {"ppo": ("stages/rl.py",), "grpo": ("stages/rl.py",), "dpo": ("stages/ref_logprobs.py",),
                "kto": ("stages/ref_logprobs.py",)}
+# Config sections besides its own that change a stage's outputs (part of its content key).
+SHARED_CONFIG = {"ppo": ("rollout",), "grpo": ("rollout",)}
 DAG_ORDER = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 # Every rlhf/ module but the CLI is part of every stage's code version (content key): conservative,
 # since a change anywhere in the shared code may change any stage's outputs.
@@ -126,9 +128,12 @@ def code_version(stage: str) -> str:
 
 def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> str:
     """Hash of everything that determines the stage's outputs (not where it runs, not the run name)."""
+    placement = {"work_pool", "job_variables", "enabled"}
     payload = {
         "stage": stage,
-        "config": cfg.stage(stage).model_dump(mode="json", exclude={"work_pool", "job_variables", "enabled"}),
+        "config": cfg.stage(stage).model_dump(mode="json", exclude=placement),
+        # sections of other stages that this one reads (the RL loop samples with the rollout settings)
+        "shared": {s: cfg.stage(s).model_dump(mode="json", exclude=placement) for s in SHARED_CONFIG.get(stage, ())},
         "model": model_identity(cfg.model),
         "data": cfg.data.model_dump(mode="json"),
         "seed": cfg.run.seed,

@@ -109,17 +109,24 @@ def test_bad_yaml_file_names_the_file(tmp_path):
 def test_validate_prints_resolved_config_and_derived_quantities():
     proc = run_cli("validate", "--profile", "tiny", "--set", "sft.gradient_accumulation_steps=2")
     assert proc.returncode == 0, proc.stderr
-    assert "plan (DAG order): sft -> reward_model -> ref_logprobs -> dpo -> grpo -> eval" in proc.stdout
+    assert "plan (DAG order): sft -> preferences -> reward_model -> ref_logprobs -> dpo -> grpo -> eval" in proc.stdout
     assert "# sft: samples_per_optimizer_step=16, optimizer_steps=8" in proc.stdout
 
 
 def test_derived_quantities_by_hand():
     # 384 rows, batch 8 x accumulation 2 = 16 per step -> ceil(384 * 1.5 / 16) = 36 steps;
-    # reward model: 384 * (1 - 0.125) = 336 rows / 8 = 42 steps.
-    cfg = load_config(CONFIG, "default", ["sft.gradient_accumulation_steps=2", "sft.num_epochs=1.5"])
+    # reward model on the task's pairs: 384 * (1 - 0.125) = 336 rows / 8 = 42 steps.
+    cfg = load_config(CONFIG, "default", ["sft.gradient_accumulation_steps=2", "sft.num_epochs=1.5", "preferences.enabled=false"])
     d = derived_quantities(cfg)
     assert d["sft"]["samples_per_optimizer_step"] == 16 and d["sft"]["optimizer_steps"] == 36
     assert d["reward_model"]["optimizer_steps"] == 42
+    # on-policy pairs (known after sampling): at most one per prompt (best vs worst), all of them train
+    # (held-out prompts give the eval pairs) -> at most 384 / 8 = 48 steps; all_pairs of K=8: 28 per prompt
+    d = derived_quantities(load_config(CONFIG, "default"))
+    assert d["reward_model"]["optimizer_steps"] == "at most 48"
+    assert d["reward_model"]["train_rows"] == "from the preferences stage (at most 384)"
+    d = derived_quantities(load_config(CONFIG, "default", ["preferences.pairing=all_pairs"]))
+    assert d["dpo"]["train_rows"] == f"from the preferences stage (at most {384 * 28})"
     # GRPO: 8 prompts x G=4 = 32 rollouts; minibatch 16, 2 epochs -> 4 optimizer steps per iteration.
     cfg = load_config(CONFIG, "default", ["grpo.epochs=2"])
     raw = cfg.model_dump()

@@ -87,3 +87,10 @@ def test_pairs_key_follows_the_sft_key_and_reaches_downstream(tiny_cfg):
 def test_bad_preferences_config_names_the_key(tiny_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         tiny_cfg(*only("sft", "preferences"), *overrides)
+
+
+def test_rl_keys_follow_the_rollout_settings_they_sample_with(tiny_cfg):
+    """The RL loop samples with `rollout.*`: changing the temperature must rerun GRPO, not skip it."""
+    base = predicted_keys(tiny_cfg(*only("sft", "grpo")))
+    hotter = predicted_keys(tiny_cfg(*only("sft", "grpo"), "rollout.temperature=0.9"))
+    assert hotter["sft"] == base["sft"] and hotter["grpo"] != base["grpo"]
