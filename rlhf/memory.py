@@ -137,8 +137,10 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
             seq = RL_PROMPT_TOKENS + cfg.rollout.max_new_tokens
             lora = st.lora.r if st.lora.enabled else None
             terms.update(trained_model_bytes(s, w, st.optim, lora, mixed))
-            # the frozen reference (none with LoRA: the base with adapters off) and the reward model
-            frozen = (0 if lora else 1) + (1 if st.reward_source in ("reward_model", "sum") else 0)
+            # the frozen reference (none with LoRA: the base with adapters off; none without a KL term, as
+            # the loop loads it only then) and the reward model
+            kl_term = (st.beta if stage == "grpo" else st.kl.beta) > 0 or (stage == "ppo" and st.kl.mode == "adaptive")
+            frozen = (0 if lora or not kl_term else 1) + (1 if st.reward_source in ("reward_model", "sum") else 0)
             if stage == "ppo":  # the critic: a second trained backbone
                 critic = trained_model_bytes(s, w, st.optim, None, mixed)
                 terms["weights"] += critic["weights"]

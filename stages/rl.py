@@ -326,7 +326,8 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
         stats = update(algo, spec, cfg, it, policy, critic, optimizers, batch, state["beta"], roll.temperature,
                        lambda: autocast(pcfg.model, device.type))
-        stats.update(logp_mismatch(batch))
+        if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion
+            stats.update(logp_mismatch(batch))
         if isinstance(engine, SyncedVLLM):
             stats["sync_max_abs_diff"] = engine.sync(policy)
         if algo == "ppo" and cfg.kl.mode == "adaptive":
