@@ -317,6 +317,10 @@ class DPOConfig(TrainerOptions):
     # Preference-flip rate for loss_type 'robust' (rDPO, Chowdhury et al. 2024). TRL 1.16's 'sigmoid'
     # ignores label smoothing, so accepting it there would silently do nothing.
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    # alpha of an NLL term on the chosen answer, added to the preference loss: RPO (Pang et al. 2024,
+    # "Iterative Reasoning Preference Optimization", eq. 3), which found DPO alone lowering the chosen
+    # answers' likelihood on math; TRL's 'sft' loss with this weight. 0: plain DPO
+    nll_weight: float = Field(0.0, ge=0.0, le=100.0)
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
     eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
 

@@ -64,7 +64,8 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
         max_length=cfg.max_length,
         truncation_mode="keep_start",
         beta=cfg.beta,
-        loss_type=[cfg.loss_type],
+        loss_type=[cfg.loss_type, "sft"] if cfg.nll_weight > 0 else [cfg.loss_type],
+        loss_weights=[1.0, cfg.nll_weight] if cfg.nll_weight > 0 else None,
         label_smoothing=cfg.label_smoothing,
         precompute_ref_log_probs=True,  # with the override above: no reference model is built or run
     )

@@ -71,6 +71,29 @@ def test_trl_loss_equals_reference_function(tmp_path, loss_type):
     assert trl_loss.item() == pytest.approx(ours.mean().item(), rel=1e-4)
 
 
+def test_nll_weight_adds_the_chosen_answers_mean_nll(tmp_path):
+    """dpo.nll_weight (RPO, Pang et al. 2024, eq. 3): TRL's ['sigmoid', 'sft'] with weights [1, alpha] is
+    the DPO loss plus alpha x the mean negative log-likelihood per chosen completion token."""
+    path = resolve_model(ModelConfig(name="tiny"))
+    tok = load_tokenizer(path)
+    model = load_causal_lm(path, ModelConfig(name="tiny"))
+    pairs = [tokenize_pair(tok, r) for r in CONV]
+    policy = pair_logps(model, tok, pairs, max_length=64, batch_size=8)
+    ref_c, ref_r = policy.chosen - 0.5, policy.rejected + 0.25
+    rows = [{**r, "ref_chosen_logps": c, "ref_rejected_logps": j} for r, c, j in zip(CONV, ref_c.tolist(), ref_r.tolist())]
+    args = DPOConfig(output_dir=str(tmp_path), precompute_ref_log_probs=True, max_length=64, beta=0.1,
+                     loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], report_to=[], use_cpu=True, bf16=False,
+                     activation_checkpointing=False)
+    trainer = CachedRefDPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    model.eval()
+    with torch.no_grad():
+        trl_loss = trainer.compute_loss(model, batch)
+    dpo, _ = dpo_loss(policy.chosen, policy.rejected, ref_c, ref_r, beta=0.1, loss_type="sigmoid")
+    nll = -policy.chosen.sum() / policy.chosen_tokens.sum()
+    assert trl_loss.item() == pytest.approx(dpo.mean().item() + 0.5 * nll.item(), rel=1e-4)
+
+
 def test_trainer_refuses_an_on_the_fly_reference_pass(tmp_path):
     path = resolve_model(ModelConfig(name="tiny"))
     tok = load_tokenizer(path)
