@@ -83,11 +83,12 @@ def test_run_refuses_bad_user_data_before_any_work(tmp_path):
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
     store = tmp_path / "store"
-    proc = run_cli("run", "--profile", "tiny", "--set", f"storage.url={store}", "--set", f"data.prefs_path={prefs}")
+    user_pairs = ["--set", f"data.prefs_path={prefs}", "--set", "preferences.enabled=false"]  # the user's pairs, not on-policy ones
+    proc = run_cli("run", "--profile", "tiny", "--set", f"storage.url={store}", *user_pairs)
     assert proc.returncode == 2
     assert f"{prefs} line 2: missing columns: expected {{prompt, chosen, rejected}}" in proc.stderr
     assert not store.exists()  # nothing ran, nothing was written
-    dropped = run_cli("validate", "--profile", "tiny", "--set", f"data.prefs_path={prefs}", "--set", "data.on_bad_row=drop")
+    dropped = run_cli("validate", "--profile", "tiny", *user_pairs, "--set", "data.on_bad_row=drop")
     assert dropped.returncode == 0 and "data.prefs_path: 1 usable rows, 1 dropped" in dropped.stdout
 
 

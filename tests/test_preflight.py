@@ -81,7 +81,7 @@ def test_estimator_reproduces_the_published_1_5b_table(tmp_path):
 
 
 def test_estimates_cover_every_enabled_stage_and_grow_with_batch():
-    cfg = load_config(CONFIG, "default", ["ppo.enabled=true"])
+    cfg = load_config(CONFIG, "default", ["ppo.enabled=true", "grpo.minibatch_size=8"])  # the same micro-batch as PPO
     est = stage_estimates(cfg)
     assert set(est) == {"sft", "preferences", "reward_model", "ref_logprobs", "dpo", "ppo", "grpo", "eval"}
     assert est["ppo"]["total"] > est["grpo"]["total"] > est["ref_logprobs"]["total"]  # critic, then inference
@@ -113,7 +113,7 @@ def test_outlook_says_run_then_resume_then_skip_and_progress_is_reported(tiny_cf
 def test_risky_settings_are_named():
     assert risky_settings(load_config(CONFIG, "default")) == []
     cfg = load_config(CONFIG, "default", ["grpo.reward_source=reward_model", "grpo.beta=0", "dpo.learning_rate=1e-3",
-                                          "grpo.group_size=2"])
+                                          "grpo.group_size=2", "grpo.minibatch_size=16"])
     warnings = risky_settings(cfg)
     assert any(w.startswith("grpo: KL beta 0 with a learned reward model") for w in warnings)
     assert "dpo.learning_rate: 0.001 is outside the usual 1e-07 .. 5e-05 for dpo" in warnings
