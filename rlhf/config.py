@@ -27,12 +27,12 @@ def check_name(kind: str, value: str) -> str:
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no .inf / .nan anywhere
 
 
 class RunConfig(Strict):
     name: str = "default"  # artifacts go to <storage.url>/<name>/<stage>/; one live run per name
-    seed: int = 0  # training seed (Trainer seed, RL sampling)
+    seed: int = Field(0, ge=0, lt=2**32)  # training seed (Trainer seed, RL sampling)
     work_pool: str = "cpu"  # where the orchestrating `rlhf/full` flow run itself goes (it only waits)
 
     @field_validator("name")
@@ -49,7 +49,7 @@ class TinyModelConfig(Strict):
     num_heads: int = Field(4, ge=1)  # attention heads (must divide hidden_size)
     num_kv_heads: int = Field(2, ge=1)  # key/value heads, grouped-query attention
     intermediate_size: int = Field(128, ge=8)  # MLP width
-    init_seed: int = 0  # seed of the random initialisation
+    init_seed: int = Field(0, ge=0, lt=2**32)  # seed of the random initialisation
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
@@ -92,9 +92,9 @@ class DataConfig(Strict):
     task_params: dict[str, int | float | bool | str] = Field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
-    seed: int = 0  # seed of the generated problems and of KTO's example order
-    train_size: int = Field(1000, ge=1)  # training problems (SFT demonstrations, preference pairs, RL prompts)
-    eval_size: int = Field(100, ge=1)  # held-out problems, never trained on
+    seed: int = Field(0, ge=0, lt=2**31)  # seed of the generated problems and of KTO's example order
+    train_size: int = Field(1000, ge=1, le=10_000_000)  # training problems (SFT demonstrations, preference pairs, RL prompts)
+    eval_size: int = Field(100, ge=1, le=10_000_000)  # held-out problems, never trained on
     # RL prompts: 0 uses the training problems (whose gold answers SFT has seen); N > 0 draws up to N fresh
     # problems, disjoint from train and eval, as InstructGPT keeps separate SFT and PPO prompt sets
     rl_size: int = Field(0, ge=0, le=1_000_000)
@@ -190,8 +190,8 @@ class TrainerOptions(Placement):
     """Options shared by the Trainer-based stages (SFT, reward model, DPO)."""
 
     learning_rate: float = Field(2e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
-    num_epochs: float = Field(1.0, gt=0.0)  # passes over the training rows (when max_steps is -1)
-    max_steps: int = Field(-1, ge=-1)  # -1: derived from num_epochs
+    num_epochs: float = Field(1.0, gt=0.0, le=10_000.0)  # passes over the training rows (when max_steps is -1)
+    max_steps: int = Field(-1, ge=-1, le=100_000_000)  # -1: derived from num_epochs
     per_device_batch_size: int = Field(8, ge=1)  # rows per forward pass per device
     gradient_accumulation_steps: int = Field(1, ge=1)  # forward passes per optimizer step
     max_length: int = Field(256, ge=8)  # prompt + completion tokens; longer rows are reported (fail/drop)
@@ -262,7 +262,7 @@ class RolloutConfig(Placement):
     policy: Literal["base", "sft", "dpo", "kto", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
     split: Literal["train", "eval"] = "eval"  # which prompts the rollout stage answers
     prompts: int = Field(64, ge=1)  # prompts the rollout stage answers
-    seed: int = 0  # sampling seed: the same params and seed give the same samples
+    seed: int = Field(0, ge=0, lt=2**32)  # sampling seed: the same params and seed give the same samples
     engine: Literal["hf", "vllm"] = "hf"  # hf: transformers generate in this process; vllm: see rollout.vllm
     vllm: VLLMOptions = VLLMOptions()
     temperature: float = Field(1.0, ge=0.0)  # sampling temperature; 0 is greedy
@@ -373,7 +373,7 @@ class RLOptions(Placement):
     """Batch shape of one RL iteration; shared by PPO and GRPO."""
 
     enabled: bool = False  # run this RL stage
-    iterations: int = Field(20, ge=1)  # rollout -> reward -> update rounds
+    iterations: int = Field(20, ge=1, le=10_000_000)  # rollout -> reward -> update rounds
     prompts_per_iteration: int = Field(8, ge=1)  # training prompts sampled per iteration
     epochs: int = Field(1, ge=1)  # K optimisation epochs over each batch of experience
     minibatch_size: int = Field(8, ge=1)  # rollouts per optimizer step; divides the rollouts per iteration
@@ -479,7 +479,7 @@ class EvalConfig(Placement):
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
     max_new_tokens: int = Field(32, ge=1)  # answer budget in tokens
     batch_size: int = Field(32, ge=1)  # prompts per generate call
-    seed: int = 0  # sampling seed shared by every policy
+    seed: int = Field(0, ge=0, lt=2**32)  # sampling seed shared by every policy
 
     @model_validator(mode="after")
     def _anchor(self) -> EvalConfig:

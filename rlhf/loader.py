@@ -192,10 +192,14 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
     if not isinstance(raw, dict):
         raise ConfigError(str(path), ["top level must be a mapping of sections"])
     profiles = raw.pop("profiles", None) or {}
+    if not isinstance(profiles, dict):
+        raise ConfigError(str(path), [f"profiles: must be a mapping of profile names to overrides, got {_Shown(profiles)!r}"])
     if profile != "default":
         if profile not in profiles:
             avail = ", ".join(["default", *profiles])
             raise ConfigError(str(path), [f"profile: unknown profile {profile!r}; available: {avail}"])
+        if not isinstance(profiles[profile], dict):
+            raise ConfigError(str(path), [f"profiles.{profile}: must be a mapping of overrides, got {_Shown(profiles[profile])!r}"])
         raw = deep_merge(raw, profiles[profile])
     raw["profile"] = profile
     for assignment in overrides:

@@ -72,6 +72,11 @@ def test_relative_storage_url_resolves_against_config_folder(tmp_path):
         ("storage.url=", "storage.url: is empty"),
         ("grpo.max_kl=.inf", "grpo.max_kl: input should be a finite number"),
         ("preferences.samples_per_prompt=1", "preferences.samples_per_prompt: must be >= 2, got 1"),
+        ("sft.num_epochs=.inf", "sft.num_epochs: input should be a finite number"),
+        ("rollout.temperature=.nan", "rollout.temperature: input should be a finite number"),
+        ("run.seed=4294967296", "run.seed: must be < 4294967296"),
+        ("sft.max_steps=1" + "0" * 400, "sft.max_steps: must be <= 100000000"),
+        ("data.train_size=1" + "0" * 30, "data.train_size: must be <= 10000000"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(override, expected):
@@ -171,6 +176,14 @@ def test_yaml_bomb_exits_2_quickly_and_small(tmp_path):
     levels = ["&a [1,1,1,1,1,1,1,1,1,1]"] + [f"&{c} [{','.join([f'*{p}'] * 10)}]" for p, c in zip("abcd", "bcde")]
     with pytest.raises(ConfigError, match="expands to 123456 nodes"):  # 1 + 11 + 111 + ... + 111111
         apply_override({}, "sft.job_variables=[" + ", ".join(levels) + "]")
+
+
+@pytest.mark.parametrize("profiles", ["{tiny: 5}", "[tiny]"])
+def test_malformed_profiles_name_the_key(tmp_path, profiles):
+    path = tmp_path / "p.yaml"
+    path.write_text(f"run: {{name: a}}\nprofiles: {profiles}\n")
+    with pytest.raises(ConfigError, match="profiles(.tiny)?: must be a mapping"):
+        load_config(path, "tiny")
 
 
 def test_duplicate_keys_and_deep_nesting_are_refused(tmp_path):
