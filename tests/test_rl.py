@@ -225,7 +225,9 @@ def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_
         assert {t.dtype for t in load_safetensors(f.read()).values()} == {torch.float32}
     kl = [r["value"] for r in store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
           if r["name"] == "kl" and r["step"] == 1]
-    assert 0 <= kl[0] < 0.1  # bf16 rounding of the same weights, not two different models
+    # bf16 rounding of the same weights, not two different models. The logged KL is the k1 estimate on 16
+    # samples, which can fall either side of 0 (-0.006 on the RL prompt draw of data.rl_size).
+    assert abs(kl[0]) < 0.1
 
 
 def test_logp_mismatch_by_hand_and_vllm_limits_are_refused(tiny_cfg):
