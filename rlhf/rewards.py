@@ -42,6 +42,13 @@ def import_reward_function(spec: str) -> Callable:
 
 
 
+def function_scores(fn: Callable, problems, texts: list[str], completion_ids: list[list[int]]) -> list[float]:
+    """A user reward function called with TRL's columns for task problems: one float per completion."""
+    out = fn(prompts=[p.question for p in problems], completions=texts, completion_ids=completion_ids,
+             answer=[p.answer for p in problems])
+    return [float(x) for x in out]
+
+
 def low_vocab_share(prompts, completions, completion_ids, **kwargs) -> list[float]:
     """The share of response tokens whose id lies in the lower third of the vocabulary (TRL's signature).
     Meaningless as a quality judge; it exists for random-init models (the tiny profile, tests): their

@@ -25,7 +25,7 @@ from rlhf.config import PreferencesConfig
 from rlhf.engine import HFEngine, SamplingParams
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
 from rlhf.pairs import PAIRS_SCHEMA, build_pairs
-from rlhf.rewards import import_reward_function, reward_model_scores
+from rlhf.rewards import function_scores, import_reward_function, reward_model_scores
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Problem, Task, assistant, user
 from rlhf.training import fetch_model
@@ -45,13 +45,7 @@ def make_judge(cfg: PreferencesConfig, task: Task, dtype: str):
     """judge(problems, texts, token_ids) -> scores; and its name for the provenance column."""
     if cfg.judge == "function":
         fn = import_reward_function(cfg.reward_function)
-
-        def judge(problems, texts, ids):
-            out = fn(prompts=[p.question for p in problems], completions=texts, completion_ids=ids,
-                     answer=[p.answer for p in problems])
-            return [float(x) for x in out]
-
-        return judge, f"function:{cfg.reward_function}"
+        return (lambda problems, texts, ids: function_scores(fn, problems, texts, ids)), f"function:{cfg.reward_function}"
     if cfg.judge == "reward_model":
         from transformers import AutoModelForSequenceClassification
 

@@ -30,7 +30,7 @@ from rlhf.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.generation import verifier_accuracy
 from rlhf.logprobs import last_logits_only, sequence_logps
 from rlhf.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
-from rlhf.rewards import import_reward_function, reward_model_scores
+from rlhf.rewards import function_scores, import_reward_function, reward_model_scores
 from rlhf.runner import StageContext, StageResult
 from rlhf.tasks import Task, assistant, user
 from rlhf.training import (
@@ -175,9 +175,7 @@ def make_reward(cfg, ctx: StageContext, task: Task):
     def reward(problems, gens) -> torch.Tensor:
         texts = [g.text for g in gens]
         if fn is not None:
-            out = fn(prompts=[p.question for p in problems], completions=texts,
-                     completion_ids=[g.token_ids for g in gens], answer=[p.answer for p in problems])
-            return torch.tensor([float(x) for x in out])
+            return torch.tensor(function_scores(fn, problems, texts, [g.token_ids for g in gens]))
         total = torch.zeros(len(gens))
         if cfg.reward_source in ("verifier", "sum"):
             total += torch.tensor([task.score(t, p) for t, p in zip(texts, problems)])
