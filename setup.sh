@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv at the repo root and installs the project. Idempotent: a second call with an
-# unchanged pyproject.toml does nothing. Order matters (shared/ENVIRONMENT.md): torch 2.13.0 first,
+# unchanged pyproject.toml does nothing. Order matters: torch 2.13.0 first,
 # in its own pip call, so pip takes the CPU wheel on disk instead of downloading a CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")"

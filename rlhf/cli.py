@@ -21,19 +21,24 @@ ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
 
 
-def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False):
-    """The config, its stage plan and (check_data) the user data files' row check; exit 2 on a problem."""
+def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False, echo: bool = True):
+    """The config, its stage plan and (check_data) the user data files' row check, whose summary lines
+    are printed (echo) or returned as a third value; exit 2 on a problem."""
     from rlhf.userdata import DataError
 
     try:
         cfg = load_config(config, profile, overrides)
         from rlhf.runner import plan
 
+        lines = []
         if check_data:
             from rlhf.preflight import check_data as check
 
-            for line in check(cfg):
-                typer.echo(line)
+            lines = check(cfg)
+        if not echo:
+            return cfg, plan(cfg), lines
+        for line in lines:
+            typer.echo(line)
         return cfg, plan(cfg)
     except (ConfigError, DataError) as e:
         typer.echo(str(e), err=True)
@@ -49,12 +54,13 @@ def validate(
 ) -> None:
     """Check pipeline.yaml and the user data files; print the resolved config, the stage plan, derived
     batch quantities and the preflight (skip/resume/run per stage, memory estimate, warnings)."""
-    cfg, stages = _load_or_exit(config, profile, set_ or [], check_data=not as_json)
+    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], check_data=True, echo=False)
     from rlhf import preflight
     from rlhf.store import ArtifactStore
 
     report = {
         "config": cfg.model_dump(mode="json"),
+        "data": data_lines,
         "plan": stages,
         "derived": derived_quantities(cfg),
         "preflight": preflight.report(cfg, ArtifactStore(cfg.storage)),
@@ -62,6 +68,8 @@ def validate(
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
+    for line in data_lines:
+        typer.echo(line)
     typer.echo(yaml.safe_dump(report["config"], sort_keys=False).rstrip())
     typer.echo(f"\n# plan (DAG order): {' -> '.join(stages) or '(no stage enabled)'}")
     for stage, values in report["derived"].items():
@@ -86,11 +94,23 @@ def run(
     cfg, stages = _load_or_exit(config, profile, overrides, check_data=True)
     for stage, values in derived_quantities(cfg).items():
         typer.echo(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    from rlhf.lock import RunLock, RunLocked
+    from rlhf.store import ArtifactStore, StorageError
+
+    try:  # asked again, atomically enough, when the flow takes the lock; here to refuse before Prefect starts
+        RunLock(ArtifactStore(cfg.storage), cfg.run.name).check()
+    except RunLocked as e:
+        typer.echo(f"refused: {e}", err=True)
+        raise typer.Exit(3) from None
+    except StorageError as e:
+        typer.echo(f"storage: {e}", err=True)
+        raise typer.Exit(2) from None
     # The temporary local API needs no telemetry (and there is no network to send it to).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.rlhf import rlhf
+    from rlhf.supervise import fork_supervised
 
-    from rlhf.lock import RunLocked
+    fork_supervised()  # before Prefect and torch start threads: the flow runs in a child that dies with us
+    from flows.rlhf import rlhf
 
     try:
         results = rlhf(config_path=str(config.resolve()), profile=profile, overrides=overrides)

@@ -8,6 +8,7 @@ Nothing here imports torch or loads a model: `rlhf validate` must answer in abou
 from __future__ import annotations
 
 import re
+import typing
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -28,6 +29,17 @@ def check_name(kind: str, value: str) -> str:
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no .inf / .nan anywhere
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v, info):
+        # pydantic's lax mode reads `true` as 1 for an int field: `per_device_batch_size: true` would train
+        # with batch 1. YAML booleans are only accepted where the field itself is a boolean.
+        if isinstance(v, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation in (int, float) or {int, float} & set(typing.get_args(annotation)) and bool not in typing.get_args(annotation):
+                raise ValueError(f"must be a number, got {str(v).lower()}")
+        return v
 
 
 class RunConfig(Strict):
@@ -525,6 +537,14 @@ class PipelineConfig(Strict):
         if prefs.enabled and prefs.eval_prompts > self.data.eval_size:
             raise ValueError(f"preferences.eval_prompts: at most data.eval_size ({self.data.eval_size}), "
                              f"got {prefs.eval_prompts}")
+        if self.eval.enabled and self.eval.prompts > self.data.eval_size:
+            raise ValueError(f"eval.prompts: at most data.eval_size ({self.data.eval_size}), got {self.eval.prompts}")
+        synthetic = not prefs.enabled and self.data.prefs_path is None
+        if self.reward_model.enabled and synthetic:
+            held_out = max(1, round(self.data.train_size * self.reward_model.eval_fraction))
+            if self.data.train_size - held_out < 1:
+                raise ValueError(f"data.train_size: {self.data.train_size} synthetic pairs leave none to train the "
+                                 f"reward model on after holding out {held_out} (reward_model.eval_fraction)")
         if self.dpo.enabled and not self.ref_logprobs.enabled:
             raise ValueError("dpo.enabled: DPO reads cached reference log-probs; set ref_logprobs.enabled: true")
         if self.dpo.enabled and self.dpo.max_length != self.ref_logprobs.max_length:

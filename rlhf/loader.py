@@ -48,10 +48,23 @@ class _BoundedLoader(yaml.SafeLoader):
 _BoundedLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _BoundedLoader.construct_mapping)
 
 
+def _is_text(value: str) -> bool:
+    """Encodable as UTF-8: YAML's \\uD800 escapes and undecodable command-line bytes give lone surrogates,
+    which no file name, log line or Parquet string can hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _expanded_size(node, memo: dict, depth: int = 0) -> int:
     """Nodes in the document with every alias expanded, computed once per distinct node."""
     if depth > MAX_YAML_DEPTH:
         raise yaml.YAMLError(f"nested deeper than {MAX_YAML_DEPTH} levels")
+    if isinstance(node, yaml.ScalarNode) and not _is_text(node.value):
+        raise yaml.YAMLError(f"line {node.start_mark.line + 1}: a value is not valid Unicode text (a lone surrogate "
+                             "such as \\ud800)")
     if id(node) not in memo:
         children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
             node.value if isinstance(node, yaml.SequenceNode) else [])
@@ -88,6 +101,8 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 def apply_override(raw: dict, assignment: str) -> dict:
     """`a.b.c=value`; the value is parsed as YAML, so `3`, `true`, `[a, b]` and `null` get their types."""
+    if not _is_text(assignment):
+        raise ConfigError("--set", [f"{ascii(assignment)[:80]}: not valid Unicode text"])
     if "=" not in assignment:
         raise ConfigError("--set", [f"{assignment!r}: expected key.path=value"])
     path, _, text = assignment.partition("=")
@@ -121,8 +136,14 @@ class _Shown:
         return self.text
 
 
+def _key(part) -> str:
+    """A key path segment as shown: odd keys from the user's file quoted, so the path stays readable."""
+    text = str(part)
+    return text if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+", text) else repr(_Shown(text))
+
+
 def _describe(err: dict) -> str:
-    loc = ".".join(str(p) for p in err["loc"])
+    loc = ".".join(_key(p) for p in err["loc"])
     kind, ctx, got = err["type"], err.get("ctx", {}), _Shown(err.get("input"))
     if kind == "extra_forbidden":
         return f"{loc}: unknown key"
@@ -209,12 +230,42 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         sec = raw.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
-    return validate(raw, str(path))
+    cfg = validate(raw, str(path))
+    problems = local_path_problems(cfg)
+    if problems:
+        raise ConfigError(str(path), problems)
+    return cfg
+
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def local_path_problems(cfg: PipelineConfig) -> list[str]:
+    """Local files the run would open, checked at load time: a missing model folder or data file would
+    otherwise fail only after the run took its lock (or, for a data path with another suffix, be handed
+    to `datasets.load_dataset` as a hub name)."""
+    problems = []
+    name = cfg.model.name
+    if name.startswith(("/", ".", "~")):
+        folder = Path(name).expanduser()
+        if not folder.is_dir():
+            problems.append(f"model.name: local path {name!r} does not exist (or is not a folder)")
+        elif not (folder / "config.json").is_file():
+            problems.append(f"model.name: {name!r} is not a model folder (no config.json in it)")
+    for key in ("sft_path", "prefs_path", "unpaired_path"):
+        value = getattr(cfg.data, key)
+        if value is None or not value.startswith("/"):  # hub dataset names stay for their stage to fetch
+            continue
+        if not value.endswith(DATA_SUFFIXES):
+            problems.append(f"data.{key}: {_Shown(value)!r} has an unsupported suffix; use .jsonl, .json or .parquet")
+        elif not Path(value).is_file():
+            problems.append(f"data.{key}: file not found: {_Shown(value)!r}")
+    return problems
 
 
 def _is_file_like(value: str) -> bool:
     """A Hugging Face dataset name ('org/name') stays as is; paths with a data suffix are files."""
-    return value.endswith((".jsonl", ".json", ".parquet")) or value.startswith(("/", ".", "~", "file://"))
+    return value.endswith(DATA_SUFFIXES) or value.startswith(("/", ".", "~", "file://"))
 
 
 def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:

@@ -55,14 +55,27 @@ class RunLock:
         return {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "started": started,
                 "heartbeat": _now()}
 
+    def _refusal(self, current: dict) -> RunLocked:
+        started = current.get("started")
+        since = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds") if isinstance(
+            started, (int, float)) and not isinstance(started, bool) and 0 <= started < 1e11 else "?"
+        return RunLocked(
+            f"run {self.run!r} is already running (host {str(current.get('host'))[:64]}, pid "
+            f"{str(current.get('pid'))[:12]}, since {since}); pick another --run-name, or wait: a lock without "
+            f"heartbeat for {self.stale_after:.0f} s is taken over"
+        )
+
+    def check(self) -> None:
+        """Raises RunLocked if a live run holds this name; takes nothing. `rlhf run` asks before it starts
+        Prefect, so a refused launch prints one line instead of a crashed flow run's traceback."""
+        current = self.store.read_json(self.path)
+        if current and self._stale_reason(current) is None:
+            raise self._refusal(current)
+
     def acquire(self) -> None:
         current = self.store.read_json(self.path)
         if current and current.get("owner") != self.owner and not self._takeover(current):
-            since = datetime.fromtimestamp(current["started"], timezone.utc).isoformat(timespec="seconds")
-            raise RunLocked(
-                f"run {self.run!r} is already running (host {current['host']}, pid {current['pid']}, since {since}); "
-                f"pick another --run-name, or wait: a lock without heartbeat for {self.stale_after:.0f} s is taken over"
-            )
+            raise self._refusal(current)
         self.started = _now()
         self.store.write_json(self.path, self._record(self.started))
         time.sleep(0.2)
@@ -72,10 +85,10 @@ class RunLock:
         self._thread = threading.Thread(target=self._beat, daemon=True)
         self._thread.start()
 
-    def _takeover(self, current: dict) -> bool:
-        """Whether another owner's lock may be taken over (logged when it is): its heartbeat is older than
-        stale_after, or it names this host and a process that no longer exists (no need to wait then).
-        The record comes from a shared store: fields of the wrong type count as a stale lock."""
+    def _stale_reason(self, current: dict) -> str | None:
+        """Why another owner's lock may be taken over, or None: its heartbeat is older than stale_after, or
+        it names this host and a process that no longer exists (no need to wait then). The record comes
+        from a shared store: fields of the wrong type count as a stale lock."""
         heartbeat, pid, host = current.get("heartbeat"), current.get("pid"), current.get("host")
         if not isinstance(heartbeat, (int, float)) or not isinstance(pid, int) or isinstance(pid, bool):
             reason = "it is malformed"
@@ -84,9 +97,16 @@ class RunLock:
         elif host == socket.gethostname() and pid > 0 and not _alive(pid):
             reason = f"its process {pid} on this host is gone"
         else:
+            reason = None
+        return reason
+
+    def _takeover(self, current: dict) -> bool:
+        """Whether another owner's lock may be taken over; every takeover is logged."""
+        reason = self._stale_reason(current)
+        if reason is None:
             return False
         log.warning("run %r: taking over the lock of owner %s (host %s, pid %s): %s", self.run,
-                    str(current.get("owner"))[:12], str(host)[:64], str(pid)[:12], reason)
+                    str(current.get("owner"))[:12], str(current.get("host"))[:64], str(current.get("pid"))[:12], reason)
         return True
 
     def _beat(self) -> None:

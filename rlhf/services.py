@@ -123,7 +123,7 @@ def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heart
 
 
 def _stop(pid: int, first: int, then: int, grace: float) -> None:
-    """Workers ignore the first SIGTERM for 15 s or more (shared/ENVIRONMENT.md): escalate to SIGINT."""
+    """Prefect workers were measured to ignore the first SIGTERM for 15 s or more: escalate to SIGINT."""
     for sig, wait in ((first, grace), (then, grace), (signal.SIGKILL, 5.0)):
         if not _alive(pid):
             return

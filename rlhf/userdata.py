@@ -27,28 +27,45 @@ class DataError(Exception):
     pass
 
 
+class BadLine:
+    """A JSONL line that is not a JSON value: reported (fail) or counted (drop) like any bad row."""
+
+    def __init__(self, problem: str):
+        self.problem = problem
+
+
+def _parse_line(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadLine(f"not valid UTF-8 (byte {e.start})")
+    if not text.strip():
+        return None  # keeps line numbers aligned; reported as an empty line
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadLine(f"not valid JSON ({e.msg})")
+    except RecursionError:
+        return BadLine("not valid JSON (nested too deeply)")
+
+
 def _read_rows(source: str) -> tuple[list[Any], str]:
     """Returns (rows, unit) where unit is 'line' for JSONL and 'row' otherwise."""
     path = Path(source)
     if source.endswith((".jsonl", ".json")):
         if not path.is_file():
             raise DataError(f"{source}: file not found")
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                rows.append(None)  # keeps line numbers aligned; reported as an empty line
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{source} line {n}: not valid JSON ({e.msg})") from None
-        return rows, "line"
+        return [_parse_line(line) for line in path.read_bytes().splitlines()], "line"
     if source.endswith(".parquet"):
         if not path.is_file():
             raise DataError(f"{source}: file not found")
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist(), "row"
+        try:
+            return pq.read_table(path).to_pylist(), "row"
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{source}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
     import datasets  # a hub dataset name; needs network, which the default profile never does
 
     return list(datasets.load_dataset(source, split="train")), "row"
@@ -64,7 +81,9 @@ def _text_problem(value: Any, column: str) -> str | None:
         for i, msg in enumerate(value):
             if not isinstance(msg, dict) or not {"role", "content"} <= msg.keys():
                 return f"{column!r} message {i} needs 'role' and 'content'"
-            if not isinstance(msg["content"], str) or not msg["content"].strip():
+            if not isinstance(msg["content"], str):
+                return f"{column!r} message {i} content must be a string, got {type(msg['content']).__name__}"
+            if not msg["content"].strip():
                 return f"{column!r} message {i} has empty content"
         return None
     if value is None:
@@ -73,8 +92,16 @@ def _text_problem(value: Any, column: str) -> str | None:
 
 
 def row_problem(row: Any, kind: Kind) -> str | None:
+    if isinstance(row, BadLine):
+        return row.problem
     if not isinstance(row, dict):
         return "empty line" if row is None else f"expected an object, got {type(row).__name__}"
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no Arrow string or tokenizer accepts
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid Unicode text (a lone surrogate escape such as \\ud800)"
+    except (TypeError, ValueError, RecursionError):  # Parquet rows with bytes or nesting JSON cannot hold
+        pass
     layouts = COLUMNS[kind]
     layout = next((cols for cols in layouts if set(cols) <= row.keys()), None)
     if layout is None:

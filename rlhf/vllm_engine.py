@@ -1,6 +1,6 @@
 """vLLM rollout engine behind the `Engine` protocol, running in its own virtualenv.
 
-vLLM pins its own torch, transformers and fastapi, which clash with this project's (shared/ENVIRONMENT.md),
+vLLM pins its own torch, transformers and fastapi, which clash with this project's (one pip resolve cannot hold both),
 so the engine is a child process started from that environment's Python (`setup-vllm.sh` builds it;
 `rollout.vllm.python` or RLHF_VLLM_PYTHON points at it) running rlhf/vllm_worker.py, and this class talks
 to it in JSON lines. Prompts cross as token ids (the chat template is applied here, with the same

@@ -2,7 +2,7 @@
 
 Rafailov et al. 2023. The policy starts from the SFT model (or the base model when SFT is off); the
 reference log-probs come from the ref_logprobs stage's Parquet table, joined on pair_id. TRL 1.16 has no
-option to accept user-supplied reference log-probs (see shared/ENVIRONMENT.md): with
+option to accept user-supplied reference log-probs (its DPOConfig has none; checked in trl 1.16): with
 precompute_ref_log_probs=True it builds no reference model, and `CachedRefDPOTrainer` makes its
 precompute step return the dataset unchanged because the columns are already there. trl is pinned
 (pyproject.toml) and tests/test_dpo.py fails if a reference model is ever built.

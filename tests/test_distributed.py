@@ -23,7 +23,7 @@ from rlhf.launch import LaunchError
 from rlhf.loader import ConfigError, load_config
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
-from rlhf.training import CRASH_ENV, InjectedCrash
+from rlhf.training import CRASH_ENV
 
 HOOK = '''
 import json, os

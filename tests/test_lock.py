@@ -57,8 +57,11 @@ def test_same_host_dead_process_lock_is_taken_over_at_once_and_logged(tmp_path, 
         store.write_json(store.path("exp", "_lock.json"), holder)
         with pytest.raises(RunLocked, match="already running"):
             RunLock(store, "exp").acquire()
+        with pytest.raises(RunLocked, match="already running"):
+            RunLock(store, "exp").check()  # the CLI's question before it starts Prefect
     store.write_json(store.path("exp", "_lock.json"), {**fresh, "pid": "1; rm -rf /", "heartbeat": "soon"})
-    with RunLock(store, "exp"):  # a malformed record from the store: treated as stale, not a crash
+    RunLock(store, "exp").check()  # a malformed record from the store: treated as stale, not a crash
+    with RunLock(store, "exp"):
         pass
 
 
@@ -77,6 +80,35 @@ def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, err[-2000:]
     assert second.returncode == 3 and "refused: run 'dup' is already running" in second.stderr
+    assert "Traceback" not in second.stderr  # refused before Prefect starts: one line, no crashed flow run
     assert other.returncode == 0, other.stderr[-2000:]
     assert json.loads((tmp_path / "dup" / "sft" / "manifest.json").read_text())["run"] == "dup"
     assert not lock.exists()  # released at the end of the run
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_killed_run_leaves_no_process_behind(tmp_path, sig):
+    """`rlhf run` killed while its temporary Prefect server runs: every process it started goes too (the
+    flow runs in a child that the kernel signals when the parent dies), and the run lock is released."""
+    import signal
+
+    import psutil  # installed with accelerate
+
+    exe = str(Path(sys.executable).parent / "rlhf")
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    run = subprocess.Popen([exe, "run", "--profile", "tiny", "--run-name", "killed", "--set", f"storage.url={tmp_path}",
+                            *sum((["--set", o] for o in only("sft")), [])], cwd=REPO, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = psutil.Process(run.pid)
+    deadline = time.time() + 120
+    while not any("uvicorn" in " ".join(p.cmdline()) for p in parent.children(recursive=True) if p.is_running()):
+        assert run.poll() is None and time.time() < deadline, "the run never started its temporary server"
+        time.sleep(0.2)
+    started = parent.children(recursive=True)
+    assert len(started) >= 2  # the flow process and the server, at least
+    run.send_signal(getattr(signal, sig))
+    run.wait(timeout=60)
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [" ".join(p.cmdline())[:120] for p in alive]
+    assert not (tmp_path / "killed" / "_lock.json").exists()

@@ -87,7 +87,7 @@ def test_estimates_cover_every_enabled_stage_and_grow_with_batch():
     assert est["ppo"]["total"] > est["grpo"]["total"] > est["ref_logprobs"]["total"]  # critic, then inference
     bigger = stage_estimates(load_config(CONFIG, "default", ["sft.per_device_batch_size=32"]))
     assert bigger["sft"]["activations"] == pytest.approx(4 * est["sft"]["activations"], rel=0.02)
-    assert stage_estimates(load_config(CONFIG, "default", ["model.name=/nonexistent/model"])) is None
+    assert stage_estimates(load_config(CONFIG, "default", ["model.name=no-such-org/no-such-model"])) is None  # a hub id, not cached
 
 
 def test_outlook_says_run_then_resume_then_skip_and_progress_is_reported(tiny_cfg, monkeypatch):

@@ -24,7 +24,6 @@ import resource
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
