@@ -19,6 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from rlhf import codehash
 from rlhf.config import PipelineConfig
 from rlhf.loader import ConfigError
 from rlhf.models import home, model_identity
@@ -40,15 +41,9 @@ STAGE_MODULES = {
     "grpo": "stages.grpo",
     "eval": "stages.eval",
 }
-# Shared stage code a stage runs besides its own module (part of its code version).
-STAGE_EXTRA = {"ppo": ("stages/rl.py",), "grpo": ("stages/rl.py",), "dpo": ("stages/ref_logprobs.py",),
-               "kto": ("stages/ref_logprobs.py",)}
 # Config sections besides its own that change a stage's outputs (part of its content key).
 SHARED_CONFIG = {"ppo": ("rollout",), "grpo": ("rollout",)}
 DAG_ORDER = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
-# Every rlhf/ module but the CLI is part of every stage's code version (content key): conservative,
-# since a change anywhere in the shared code may change any stage's outputs.
-NOT_CODE = {"cli.py", "__init__.py"}
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
 
@@ -117,13 +112,8 @@ def plan(cfg: PipelineConfig) -> list[str]:
 
 
 def code_version(stage: str) -> str:
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    core = sorted(f"rlhf/{p.name}" for p in (root / "rlhf").glob("*.py") if p.name not in NOT_CODE)
-    for rel in (STAGE_MODULES[stage].replace(".", "/") + ".py", *STAGE_EXTRA.get(stage, ()), *core):
-        h.update(rel.encode())
-        h.update((root / rel).read_bytes())
-    return h.hexdigest()[:16]
+    """Hash of the project files the stage's module and the runner import (rlhf/codehash.py)."""
+    return codehash.code_version(STAGE_MODULES[stage].replace(".", "/") + ".py")
 
 
 def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> str:
