@@ -232,6 +232,45 @@ def report(
     typer.echo(str(build(store, cfg.run.name, out or Path("reports") / cfg.run.name)))
 
 
+@app.command()
+def diff(
+    run_a: Annotated[str, typer.Argument(help="first run name (A)")],
+    run_b: Annotated[str, typer.Argument(help="second run name (B)")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Per stage: do the two runs' results differ, and why (changed config values with old and new,
+    code version, an upstream stage's key); final metrics side by side; eval Elo with intervals."""
+    cfgs = [_load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(r)}"])[0] for r in (run_a, run_b)]
+    from rlhf.diff import diff_runs, render
+    from rlhf.results import SCHEMAS
+    from rlhf.runner import DAG_ORDER
+    from rlhf.store import ArtifactStore, StorageError
+
+    store = ArtifactStore(cfgs[0].storage)
+    manifests, ratings = {}, {}
+    try:
+        for cfg in cfgs:
+            run = cfg.run.name
+            if not store.fs.exists(store.path(run)):
+                typer.echo(f"no run {run!r} under {store.url(store.path(run))}", err=True)
+                raise typer.Exit(2)
+            manifests[run] = {s: m for s in DAG_ORDER if isinstance(m := store.read_manifest(run, s), dict)}
+            path = store.stage_path(run, "eval", "ratings.parquet")
+            ratings[run] = store.read_table(path, SCHEMAS["ratings"]).to_pylist() if "eval" in manifests[run] else []
+    except StorageError as e:
+        typer.echo(f"storage: {e}", err=True)
+        raise typer.Exit(2) from None
+    names = [c.run.name for c in cfgs]
+    diffs = diff_runs(manifests[names[0]], manifests[names[-1]], list(DAG_ORDER))
+    if as_json:
+        typer.echo(json.dumps({"a": names[0], "b": names[-1], "stages": diffs, "ratings": ratings}, indent=2, default=str))
+    else:
+        typer.echo(render(names[0], names[-1], diffs, ratings))
+
+
 def format_table(columns: list[str], rows: list[dict]) -> str:
     def cell(v) -> str:
         return f"{v:.4g}" if isinstance(v, float) else ("NULL" if v is None else str(v))

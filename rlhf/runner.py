@@ -43,6 +43,7 @@ STAGE_MODULES = {
 }
 # Config sections besides its own that change a stage's outputs (part of its content key).
 SHARED_CONFIG = {"ppo": ("rollout",), "grpo": ("rollout",)}
+PLACEMENT = {"work_pool", "job_variables", "enabled"}  # where a stage runs: not part of its key
 DAG_ORDER = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
@@ -118,7 +119,7 @@ def code_version(stage: str) -> str:
 
 def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> str:
     """Hash of everything that determines the stage's outputs (not where it runs, not the run name)."""
-    placement = {"work_pool", "job_variables", "enabled"}
+    placement = PLACEMENT
     payload = {
         "stage": stage,
         "config": cfg.stage(stage).model_dump(mode="json", exclude=placement),
@@ -189,6 +190,8 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         "code_version": code_version(stage),
         "inputs": {s: m["key"] for s, m in inputs.items()},
         "config": cfg.stage(stage).model_dump(mode="json"),
+        # the other sections in its key (rlhf diff explains a changed key from these parts)
+        "shared": {sec: cfg.stage(sec).model_dump(mode="json", exclude=PLACEMENT) for sec in SHARED_CONFIG.get(stage, ())},
         "model": model_identity(cfg.model),
         "data": cfg.data.model_dump(mode="json"),
         "seed": cfg.run.seed,
