@@ -22,7 +22,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.dataset as pads
 
-from rlhf.config import check_name
+from rlhf.config import STAGES, check_name
+from rlhf.ledger import LEDGER_SCHEMA, ledger_row
 from rlhf.store import ArtifactStore
 
 S, F, I, B = pa.string(), pa.float64(), pa.int64(), pa.bool_()
@@ -70,12 +71,41 @@ def completed_runs(store: ArtifactStore, table: str) -> list[str]:
     return runs
 
 
+def ledger_table(store: ArtifactStore) -> pa.Table:
+    """One row per completed stage of every run, from the manifests (rlhf/ledger.py). Folder names and
+    manifest contents come from a shared store: invalid run or stage names are skipped, every field is
+    type-checked, and the run and stage columns are the folder's, not what the file claims."""
+    import json
+
+    rows = []
+    for path in sorted(store.fs.glob(store.path("*", "*", "manifest.json"))):
+        run, stage = path.rstrip("/").split("/")[-3:-1]
+        try:
+            check_name("run", run)
+        except ValueError:
+            continue
+        if stage not in STAGES:
+            continue
+        if store.fs.size(path) > 10 * 2**20:  # a manifest is a few KB
+            print(f"rlhf query: skipped {run}/{stage}/manifest.json: over 10 MB", file=sys.stderr)
+            continue
+        try:
+            manifest = json.loads(store.fs.cat_file(path))
+        except (ValueError, RecursionError):
+            print(f"rlhf query: skipped {run}/{stage}/manifest.json: not valid JSON", file=sys.stderr)
+            continue
+        if isinstance(manifest, dict):
+            rows.append({**ledger_row(manifest), "run": run, "stage": stage})
+    return pa.Table.from_pylist(rows, schema=LEDGER_SCHEMA)
+
+
 def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(config=LOCKED_DOWN)
     for view, table in VIEWS.items():
         files = [store.stage_path(run, "eval", f"{table}.parquet") for run in completed_runs(store, table)]
         # The table's schema: older files missing a column read it as nulls (what union_by_name did).
         con.register(view, pads.dataset(files, schema=SCHEMAS[table], format="parquet", filesystem=store.fs))
+    con.register("ledger", ledger_table(store))
     return con
 
 

@@ -23,6 +23,7 @@ from rlhf import codehash
 from rlhf.config import PipelineConfig
 from rlhf.loader import ConfigError
 from rlhf.models import home, model_identity
+from rlhf.ledger import Meter
 from rlhf.resources import PeakRSS
 from rlhf.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
 
@@ -177,7 +178,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     from rlhf.launch import run_stage  # imports this module
 
     try:
-        with PeakRSS() as rss:
+        with PeakRSS() as rss, Meter() as meter:
             result: StageResult = run_stage(module, cfg.stage(stage), ctx)
     except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
         raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
@@ -201,6 +202,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         "metrics": result.metrics,
         "resumed_from_step": result.resumed_from_step,
         "timings": {"started": started, "finished": _now(), "seconds": round(seconds, 3), **rss.figures()},
+        "ledger": meter.figures(),  # CPU seconds, peak GPU memory, device, package-set hash (rlhf/ledger.py)
     }
     store.write_manifest(run, stage, manifest)  # last: from here on the stage counts as complete
     # Checkpoints only serve to resume an incomplete stage; a complete one drops them (they hold the

@@ -56,3 +56,24 @@ def test_diff_of_two_tiny_runs_names_the_changed_key_and_the_stages_it_reaches(t
     assert dpo == ["upstream ref_logprobs: its key changed"]
     missing = CliRunner().invoke(app, ["diff", "a", "nope", "-c", str(CONFIG), "--set", f"storage.url={root}"])
     assert missing.exit_code == 2 and "no run 'nope'" in missing.stderr
+
+    # the ledger: a row per completed stage, from the manifests (issue 20), through rlhf query
+    from rlhf.results import query
+    from rlhf.store import ArtifactStore
+
+    store = ArtifactStore(a.storage)
+    rows = query(store, "SELECT stage, wall_seconds, cpu_seconds, peak_rss_mb, device, packages_hash, tokens "
+                        "FROM ledger WHERE run = 'a' ORDER BY stage").to_pylist()
+    assert [r["stage"] for r in rows] == ["dpo", "ref_logprobs", "sft"]
+    assert all(r["wall_seconds"] > 0 and r["cpu_seconds"] > 0 and r["peak_rss_mb"] > 100 for r in rows)
+    assert all(r["device"] for r in rows) and len({r["packages_hash"] for r in rows}) == 1
+    assert rows[2]["tokens"] > 0  # sft/tokens_seen
+    # a hostile store: an invalid run folder is skipped, odd manifest values become nulls
+    (root / "x y" / "sft").mkdir(parents=True)
+    (root / "x y" / "sft" / "manifest.json").write_text('{"timings": {"seconds": 1}}')
+    (root / "c" / "sft").mkdir(parents=True)
+    (root / "c" / "sft" / "manifest.json").write_text('{"run": "a", "timings": {"seconds": Infinity, "peak_rss_mb": "9"}, "ledger": [1]}')
+    (root / "c" / "dpo").mkdir(parents=True)
+    (root / "c" / "dpo" / "manifest.json").write_text("[" * 100000)
+    rows = query(store, "SELECT run, stage, wall_seconds, peak_rss_mb FROM ledger WHERE run NOT IN ('a', 'b')").to_pylist()
+    assert rows == [{"run": "c", "stage": "sft", "wall_seconds": None, "peak_rss_mb": None}]
