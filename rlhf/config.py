@@ -118,6 +118,9 @@ class DataConfig(Strict):
     unpaired_path: str | None = None
     # fail: stop at the first bad row, naming it; drop: skip bad rows and count them
     on_bad_row: Literal["fail", "drop"] = "fail"
+    # SFT demonstrations: the bare answer (direct), or a worked solution that splits each step into tens
+    # and units before the answer (worked; chain_sum only): room to reason before the answer
+    answer_format: Literal["direct", "worked"] = "direct"
 
     @field_validator("task")
     @classmethod
@@ -125,6 +128,12 @@ class DataConfig(Strict):
         if not re.fullmatch(r"reasoning_gym:[a-z0-9_]+", v):
             raise ValueError("must look like 'reasoning_gym:<name>', e.g. 'reasoning_gym:chain_sum'")
         return v
+
+    @model_validator(mode="after")
+    def _format(self) -> DataConfig:
+        if self.answer_format == "worked" and self.task != "reasoning_gym:chain_sum":
+            raise ValueError(f"answer_format: 'worked' solutions exist for reasoning_gym:chain_sum only, got task {self.task!r}")
+        return self
 
 
 class StorageConfig(Strict):

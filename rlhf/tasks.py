@@ -91,11 +91,10 @@ class Task:
         return float(self._scorer(answer if answer is not None else completion.strip(), problem.entry))
 
     def sft_rows(self) -> list[dict]:
-        """Demonstrations: the gold answer as the assistant's reply."""
-        return [
-            {"prompt": [user(p.question)], "completion": [assistant(p.answer)]}
-            for p in self.train
-        ]
+        """Demonstrations: the gold answer as the assistant's reply, or (answer_format 'worked') a worked
+        solution ending in it."""
+        reply = worked_solution if self.cfg.answer_format == "worked" else (lambda p: p.answer)
+        return [{"prompt": [user(p.question)], "completion": [assistant(reply(p))]} for p in self.train]
 
     def preference_rows(self) -> list[dict]:
         """Pairs whose chosen answer verifies and whose rejected answer does not (by construction)."""
@@ -116,6 +115,39 @@ class Task:
                 {"prompt": [user(p.question)], "chosen": [assistant(p.answer)], "rejected": [assistant(wrong)]}
             )
         return rows
+
+
+_EXPRESSION = re.compile(r"(-?\d+)((?:\s*[-+]\s*\d+)+)\s*=\s*$")
+
+
+def split_step(total: int, op: str, term: int) -> tuple[str, int]:
+    """One step `total op term` written as tens, then units: '98 + 93 = 98 + 90 + 3 = 188 + 3 = 191'.
+    Each move changes the tens or adds one digit, which a small model does more reliably than the whole
+    sum at once (the verifier reads the last number, so the result stays the answer)."""
+    sign = 1 if op == "+" else -1
+    tens, units = term - term % 10, term % 10
+    if tens == 0 or units == 0:  # nothing to split
+        result = total + sign * term
+        return f"{total} {op} {term} = {result}", result
+    middle = total + sign * tens
+    result = middle + sign * units
+    return f"{total} {op} {term} = {total} {op} {tens} {op} {units} = {middle} {op} {units} = {result}", result
+
+
+def worked_solution(problem: Problem) -> str:
+    """A worked solution of a chain_sum problem, left to right, ending in the answer. Hand-worked:
+    '15 - 43 =' -> '15 - 43 = 15 - 40 - 3 = -25 - 3 = -28. The answer is -28.'"""
+    m = _EXPRESSION.search(problem.question)
+    if m is None:
+        raise ValueError(f"{problem.id}: no chain_sum expression in {problem.question!r}")
+    total = int(m.group(1))
+    steps = []
+    for op, term in re.findall(r"([-+])\s*(\d+)", m.group(2)):
+        text, total = split_step(total, op, int(term))
+        steps.append(text)
+    if str(total) != problem.answer:
+        raise ValueError(f"{problem.id}: worked solution gives {total}, the gold answer is {problem.answer}")
+    return "; ".join(steps) + f". The answer is {total}."
 
 
 def wrong_answer(answer: str, rng: random.Random, pool: list[str]) -> str:

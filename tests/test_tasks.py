@@ -65,3 +65,23 @@ def test_rl_prompts_are_a_fresh_disjoint_draw():
     assert not set(rl) & {p.question for p in task.train + task.eval}
     assert rl == [p.question for p in Task(cfg).rl] and task.rl[0].id == "rl-0"  # deterministic
     assert Task(DataConfig(train_size=50, eval_size=20)).rl == Task(DataConfig(train_size=50, eval_size=20)).train
+
+
+def test_worked_solutions_by_hand_and_verified_for_every_problem():
+    from rlhf.tasks import Problem, split_step, worked_solution
+
+    assert split_step(98, "+", 93) == ("98 + 93 = 98 + 90 + 3 = 188 + 3 = 191", 191)
+    assert split_step(15, "-", 43) == ("15 - 43 = 15 - 40 - 3 = -25 - 3 = -28", -28)
+    assert split_step(4, "-", 1) == ("4 - 1 = 3", 3)  # one digit: nothing to split
+    assert split_step(23, "-", 60) == ("23 - 60 = -37", -37)  # a round ten: nothing to split
+    q = "State the final answer to the following arithmetic problem: 15 - 43 + 7 ="
+    assert worked_solution(Problem("t", q, "-21", {})) == "15 - 43 = 15 - 40 - 3 = -25 - 3 = -28; -28 + 7 = -21. The answer is -21."
+    with pytest.raises(ValueError, match="gold answer is 5"):
+        worked_solution(Problem("t", q, "5", {}))
+    # every default problem: the worked solution ends in the gold answer and the verifier accepts it
+    task = Task(DataConfig(train_size=200, eval_size=50, answer_format="worked",
+                           task_params={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}))
+    for row, p in zip(task.sft_rows(), task.train):
+        assert task.score(row["completion"][0]["content"], p) == 1.0
+    with pytest.raises(ValueError, match="answer_format: 'worked' solutions exist for reasoning_gym:chain_sum only"):
+        DataConfig(task="reasoning_gym:basic_arithmetic", answer_format="worked")
