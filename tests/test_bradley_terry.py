@@ -104,7 +104,13 @@ def test_matrices_and_paired_difference():
     assert mean == 0.5 and lo <= mean <= hi and 0 <= lo and hi <= 1
 
 
-def test_elo_scale():
+def test_elo_scale_by_hand():
+    """Elo's convention: 10:1 odds are 400 points. B beats A in 100 of 110 battles; the unregularized
+    Bradley-Terry fit gives log-odds ln(10), so B sits 400 Elo above the anchor A."""
+    a, b = np.zeros(110, int), np.ones(110, int)
+    score_a = np.r_[np.zeros(100), np.ones(10)]
+    r = rate(a, b, score_a, ["A", "B"], "A", rounds=10, l2=1e-9)
+    assert r.elo[0] == pytest.approx(1000) and r.elo[1] - r.elo[0] == pytest.approx(400, abs=0.5)
     assert ELO_PER_NAT * math.log(10) == pytest.approx(400)
 
 

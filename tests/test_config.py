@@ -91,9 +91,12 @@ def test_derived_quantities_by_hand():
 
 
 def test_config_is_frozen():
+    from pydantic import ValidationError
+
     cfg = load_config(CONFIG)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.sft.learning_rate = 1.0
+    assert cfg.sft.learning_rate == 5e-5
 
 
 def laughs(levels: int) -> str:

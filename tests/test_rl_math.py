@@ -162,3 +162,12 @@ def test_informative_groups_by_hand():
     keep = informative_groups(T([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), group_size=2)
     assert keep.tolist() == [False, False, True, True, False, False]
     assert informative_groups(T([0.3, 0.3, 0.3, 0.31]), group_size=4).tolist() == [True] * 4
+
+
+def test_whiten_by_hand():
+    """x = [1, 2, 3, (100 masked)]: mean 2, population variance 2/3, so [-1.2247, 0, 1.2247, 0]."""
+    x, mask = torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    from rlhf.rl_math import whiten
+
+    w = whiten(x, mask)
+    assert torch.allclose(w, torch.tensor([[-1.2247449, 0.0, 1.2247449, 0.0]]), atol=1e-5)

@@ -95,11 +95,25 @@ def test_writer_killed_between_data_and_manifest_leaves_an_absent_stage(storage_
         store.require_manifest("r", "sft")
 
 
-def test_local_manifest_write_is_atomic(tmp_path):
-    store = ArtifactStore(StorageConfig(url=str(tmp_path)))
+def test_local_manifest_write_is_atomic(tmp_path, monkeypatch):
+    """A write that dies before its rename (a killed worker) leaves the previous manifest whole, and a
+    stage that had none still has none: a reader never sees a half-written manifest."""
+    import rlhf.store
+
+    store = ArtifactStore(StorageConfig(url=str(tmp_path), attempts=1))
     store.write_manifest("r", "sft", {"key": "a"})
-    leftovers = [p.name for p in (tmp_path / "r" / "sft").iterdir()]
-    assert leftovers == ["manifest.json"]
+    assert [p.name for p in (tmp_path / "r" / "sft").iterdir()] == ["manifest.json"]
+
+    def killed(src, dst):
+        raise OSError("killed before the rename")
+
+    monkeypatch.setattr(rlhf.store.os, "replace", killed)
+    with pytest.raises(Exception, match="killed before the rename"):
+        store.write_manifest("r", "sft", {"key": "b" * 10_000})
+    with pytest.raises(Exception, match="killed before the rename"):
+        store.write_manifest("r", "dpo", {"key": "c"})
+    assert store.read_manifest("r", "sft") == {"key": "a"}
+    assert store.read_manifest("r", "dpo") is None
 
 
 def test_s3_credentials_never_reach_the_printable_url(s3_env):
