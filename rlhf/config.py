@@ -482,9 +482,6 @@ class GRPOConfig(RLOptions):
         return self.group_size
 
 
-POLICIES = ("base", "sft", "dpo", "kto", "ppo", "grpo")
-
-
 class EvalConfig(Placement):
     enabled: bool = False  # run the evaluation
     # "base" is the configured model; the others are the `model/` outputs of those stages in this run.

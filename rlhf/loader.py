@@ -269,14 +269,15 @@ def _is_file_like(value: str) -> bool:
 
 
 def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
-    """Batch-size semantics, spelled out per enabled stage (one process; multi-process comes later)."""
+    """Batch-size semantics, spelled out per enabled stage. A Trainer stage's optimizer step takes
+    per_device_batch_size x gradient_accumulation_steps rows on each of launch.processes ranks."""
     out: dict[str, dict[str, Any]] = {}
     n_train = cfg.data.train_size
     for name in ("sft", "reward_model", "dpo", "kto"):
         st = cfg.stage(name)
         if not st.enabled:
             continue
-        per_step = st.per_device_batch_size * st.gradient_accumulation_steps
+        per_step = st.per_device_batch_size * st.gradient_accumulation_steps * st.launch.processes
         if name != "sft" and cfg.preferences.enabled:
             # on-policy pairs: one per prompt whose answers are not all judged equal, known after sampling
             prompts = min(cfg.preferences.prompts or n_train, n_train)

@@ -39,7 +39,7 @@ METRICS_SCHEMA = pa.schema(
     ]
 )
 # Test hook: RLHF_TEST_CRASH_AT="<stage>:<step>" raises at the end of that optimizer step, emulating a
-# crash between checkpoints. Used by tests/test_resume.py; never set in normal runs.
+# crash between checkpoints. Used by tests/test_distributed.py; never set in normal runs.
 CRASH_ENV = "RLHF_TEST_CRASH_AT"
 
 # Progress is reported by ProgressAndMetrics through logging; library progress bars would interleave

@@ -162,3 +162,9 @@ def test_run_names_stay_strings(tmp_path):
     for name in ("123", "2024-01-01"):
         proc = run_cli("report", name, "--set", f"storage.url={tmp_path}", "--out", str(tmp_path / name))
         assert "run.name" not in proc.stderr, proc.stderr
+
+
+def test_derived_batch_counts_every_process():
+    """Two data-parallel ranks: an optimizer step takes 8 rows x 2 ranks, so 384 rows are 24 steps."""
+    d = derived_quantities(load_config(CONFIG, "default", ["sft.launch.processes=2"]))
+    assert d["sft"]["samples_per_optimizer_step"] == 16 and d["sft"]["optimizer_steps"] == 24
