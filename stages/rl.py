@@ -302,9 +302,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                 if dist.is_main():
                     write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, "trained_fraction": 0.0,
                                                       "kl_beta": state["beta"], "seconds": time.perf_counter() - t0})
-                progress.report(ctx.stage, it, cfg.iterations)
-                if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
-                    save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
+                end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
                 continue
         probs = [problems[g.prompt_index] for g in gens]
         prompt_ids = [chat_ids(tok, [user(p.question)]) for p in probs]
@@ -340,17 +338,22 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         if dist.is_main():
             write_iteration(ctx, it, algo, problems, gens, probs, batch, scores, metrics)
         eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
-        progress.report(ctx.stage, it, cfg.iterations)
         ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
                      metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
-        if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
-            save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
-        if os.environ.get(CRASH_ENV) == f"{algo}:{it}":  # test hook, as in the Trainer stages
-            raise InjectedCrash(f"{algo}: injected crash after iteration {it} ({CRASH_ENV})")
+        end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
 
     if isinstance(engine, SyncedVLLM):
         engine.close()
     return finish(algo, cfg, ctx, policy, tok, task, first)
+
+
+def end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state) -> None:
+    """What every iteration ends with, trained or skipped: progress, the periodic checkpoint, the test hook."""
+    progress.report(ctx.stage, it, cfg.iterations)
+    if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
+        save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
+    if os.environ.get(CRASH_ENV) == f"{algo}:{it}":  # test hook, as in the Trainer stages
+        raise InjectedCrash(f"{algo}: injected crash after iteration {it} ({CRASH_ENV})")
 
 
 def logp_mismatch(batch: Batch) -> dict[str, float]:

@@ -22,3 +22,8 @@ def uniform_on_sums(prompts, completions, completion_ids, **kwargs):
     """0.5 for every answer to an addition problem (its GRPO group is uniform), else low_vocab_share."""
     shares = low_vocab_share(prompts, completions, completion_ids)
     return [0.5 if "+" in p else s for p, s in zip(prompts, shares)]
+
+
+def constant(prompts, completions, **kwargs):
+    """The same reward for every answer: every GRPO group is uniform (nothing to learn)."""
+    return [1.0] * len(completions)

@@ -298,3 +298,21 @@ def test_grpo_skips_uniform_groups_and_can_reuse_sampler_logps(tiny_cfg):
     execute_stage(again, "grpo")
     m = store.read_table(store.stage_path("recompute", "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
     assert next(r["value"] for r in m if r["name"] == "logp_mismatch_max") < 1e-3
+
+
+def test_an_iteration_with_only_uniform_groups_still_checkpoints_and_resumes(tiny_cfg, monkeypatch):
+    """Skipped iterations (every group uniform, no update) end like trained ones: progress, the periodic
+    checkpoint and the crash hook; a rerun resumes after the checkpoint."""
+    cfg = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=3", "grpo.save_every=1", "grpo.prompts_per_iteration=2",
+                 "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.skip_uniform_groups=true",
+                 "grpo.reward_function=reward_fns:constant")
+    store = ArtifactStore(cfg.storage)
+    monkeypatch.setenv(CRASH_ENV, "grpo:2")
+    with pytest.raises(InjectedCrash, match="after iteration 2"):
+        execute_stage(cfg, "grpo")
+    monkeypatch.delenv(CRASH_ENV)
+    m = execute_stage(cfg, "grpo")
+    assert m["status"] == "resumed" and m["resumed_from_step"] == 2
+    rows = store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
+    assert sorted({r["step"] for r in rows if r["name"] == "trained_fraction"}) == [1, 2, 3]
+    assert all(r["value"] == 0.0 for r in rows if r["name"] == "trained_fraction")
