@@ -319,6 +319,9 @@ class PreferencesConfig(Placement):
     # best_worst: one pair per prompt, the highest- vs the lowest-scored answer; all_pairs: every two
     # answers with different scores. Equal scores are ties: dropped and counted.
     pairing: Literal["best_worst", "all_pairs"] = "best_worst"
+    # all_pairs: at most this many pairs per prompt (the first in sample order; None: every pair). More
+    # distinct wrong answers per prompt teach the reward model more than one best-vs-worst pair does.
+    max_pairs_per_prompt: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _judge(self) -> PreferencesConfig:
@@ -326,6 +329,8 @@ class PreferencesConfig(Placement):
             raise ValueError("reward_function: set it exactly when judge is 'function' ('module:function')")
         if (self.judge == "reward_model") != (self.reward_model_path is not None):
             raise ValueError("reward_model_path: set it exactly when judge is 'reward_model'")
+        if self.max_pairs_per_prompt is not None and self.pairing != "all_pairs":
+            raise ValueError("max_pairs_per_prompt: caps pairing 'all_pairs' (best_worst gives one pair per prompt)")
         return self
 
 

@@ -281,7 +281,8 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         if name != "sft" and cfg.preferences.enabled:
             # on-policy pairs: one per prompt whose answers are not all judged equal, known after sampling
             prompts = min(cfg.preferences.prompts or n_train, n_train)
-            bound = prompts * (1 if cfg.preferences.pairing == "best_worst" else math.comb(cfg.preferences.samples_per_prompt, 2))
+            per_prompt = 1 if cfg.preferences.pairing == "best_worst" else math.comb(cfg.preferences.samples_per_prompt, 2)
+            bound = prompts * min(per_prompt, cfg.preferences.max_pairs_per_prompt or per_prompt)
             rows = bound * (2 if name == "kto" else 1)
             shown = f"from the preferences stage (at most {rows})"
         else:

@@ -76,7 +76,7 @@ def pair_rows(problems: list[Problem], grouped: list[list], cfg: PreferencesConf
     for problem, group in zip(problems, grouped):
         chosen_rejected, n_ties = build_pairs([s for _, s in group], cfg.pairing)
         ties += n_ties
-        for c, r in chosen_rejected:
+        for c, r in chosen_rejected[: cfg.max_pairs_per_prompt]:
             rows.append({
                 "pair_id": f"{problem.id}:{c}:{r}", "prompt": [user(problem.question)],
                 "chosen": [assistant(group[c][0].text)], "rejected": [assistant(group[r][0].text)],

@@ -94,3 +94,21 @@ def test_rl_keys_follow_the_rollout_settings_they_sample_with(tiny_cfg):
     base = predicted_keys(tiny_cfg(*only("sft", "grpo")))
     hotter = predicted_keys(tiny_cfg(*only("sft", "grpo"), "rollout.temperature=0.9"))
     assert hotter["sft"] == base["sft"] and hotter["grpo"] != base["grpo"]
+
+
+def test_all_pairs_capped_per_prompt_by_hand():
+    """Scores [1, 0, 1, 0.5] give five pairs in all_pairs order; a cap of 2 keeps (0, 1) and (0, 3)."""
+    from types import SimpleNamespace
+
+    from rlhf.config import PreferencesConfig
+    from rlhf.tasks import Problem
+    from stages.preferences import pair_rows
+
+    problem = Problem("train-0", "1 + 1 =", "2", {})
+    group = [(SimpleNamespace(text=t), s) for t, s in (("2", 1.0), ("3", 0.0), ("2", 1.0), ("2.5", 0.5))]
+    cfg = PreferencesConfig(enabled=True, pairing="all_pairs", max_pairs_per_prompt=2)
+    rows, ties = pair_rows([problem], [group], cfg, "verifier", "k")
+    assert [(r["chosen_index"], r["rejected_index"]) for r in rows] == [(0, 1), (0, 3)] and ties == 1
+    assert [r["rejected"][0]["content"] for r in rows] == ["3", "2.5"]
+    with pytest.raises(ValueError, match="max_pairs_per_prompt: caps pairing 'all_pairs'"):
+        PreferencesConfig(max_pairs_per_prompt=2)
