@@ -73,12 +73,15 @@ def test_derived_quantities_by_hand():
     d = derived_quantities(cfg)
     assert d["sft"]["samples_per_optimizer_step"] == 16 and d["sft"]["optimizer_steps"] == 36
     assert d["reward_model"]["optimizer_steps"] == 42
-    # on-policy pairs (known after sampling): at most one per prompt (best vs worst), all of them train
-    # (held-out prompts give the eval pairs) -> at most 384 / 8 = 48 steps; all_pairs of K=8: 28 per prompt
+    # on-policy pairs (known after sampling), all of them train (held-out prompts give the eval pairs):
+    # the default caps all_pairs at 3 per prompt -> at most 384 x 3 = 1152 rows, 144 steps; best vs worst
+    # gives one per prompt -> 48 steps; all_pairs of K=8 uncapped: 28 per prompt
     d = derived_quantities(load_config(CONFIG, "default"))
+    assert d["reward_model"]["optimizer_steps"] == "at most 144"
+    assert d["reward_model"]["train_rows"] == "from the preferences stage (at most 1152)"
+    d = derived_quantities(load_config(CONFIG, "default", ["preferences.pairing=best_worst", "preferences.max_pairs_per_prompt=null"]))
     assert d["reward_model"]["optimizer_steps"] == "at most 48"
-    assert d["reward_model"]["train_rows"] == "from the preferences stage (at most 384)"
-    d = derived_quantities(load_config(CONFIG, "default", ["preferences.pairing=all_pairs"]))
+    d = derived_quantities(load_config(CONFIG, "default", ["preferences.max_pairs_per_prompt=null"]))
     assert d["dpo"]["train_rows"] == f"from the preferences stage (at most {384 * 28})"
     # GRPO: 8 prompts x G=8 = 64 rollouts; minibatch 32, 2 epochs -> 4 optimizer steps per iteration.
     cfg = load_config(CONFIG, "default", ["grpo.epochs=2"])
