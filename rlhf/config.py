@@ -481,7 +481,16 @@ class GRPOConfig(RLOptions):
     # they cost a full forward/backward for no policy gradient (DAPO's dynamic sampling, Yu et al. 2025,
     # sec. 3.2, without its refill: the iteration trains on fewer samples instead of sampling more)
     skip_uniform_groups: bool = False
+    # with skip_uniform_groups: up to this many extra sampling rounds per iteration, each on fresh prompts
+    # for the missing groups, until prompts_per_iteration groups are informative (DAPO's refill; 0: none)
+    refill_rounds: int = Field(0, ge=0, le=16)
     minibatch_size: int = Field(16, ge=1)  # rollouts per optimizer step; divides prompts x group_size
+
+    @model_validator(mode="after")
+    def _refill(self) -> GRPOConfig:
+        if self.refill_rounds and not self.skip_uniform_groups:
+            raise ValueError("refill_rounds: refills the groups skip_uniform_groups drops; set skip_uniform_groups: true")
+        return self
 
     def samples_per_prompt(self) -> int:
         return self.group_size

@@ -12,6 +12,7 @@ clip (clip-higher) and optional dual clip. Every iteration's experience is a Par
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -296,6 +297,8 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         if getattr(cfg, "skip_uniform_groups", False):
             keep = rl_math.informative_groups(scores, cfg.group_size)
             gens, scores = [g for g, k in zip(gens, keep.tolist()) if k], scores[keep]
+            problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
+            n_sampled += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
             if not gens:  # every group uniform: nothing to learn from this iteration's samples
                 ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
                              algo, it, reward_sampled)
@@ -345,6 +348,29 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     if isinstance(engine, SyncedVLLM):
         engine.close()
     return finish(algo, cfg, ctx, policy, tok, task, first)
+
+
+def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device):
+    """DAPO's dynamic sampling with refill (Yu et al. 2025, sec. 3.2): while fewer than
+    prompts_per_iteration groups are informative and refill rounds remain, sample the missing number of
+    groups on prompts this iteration has not drawn and keep their informative ones. Returns the grown
+    problem list (generations index into it), generations, scores and how many samples were drawn."""
+    drawn = 0
+    for r in range(1, cfg.refill_rounds + 1):
+        missing = cfg.prompts_per_iteration - len(gens) // cfg.group_size
+        used = {p.id for p in problems}
+        unused = [p for p in task.rl if p.id not in used]
+        if missing <= 0 or not unused:
+            break
+        extra = rng.sample(unused, min(missing, len(unused)))
+        more, more_scores = generate_and_score(engine, extra, dataclasses.replace(params, seed=params.seed + 1_000_003 * r), reward)
+        more_scores, drawn = more_scores.to(device), drawn + len(more)
+        keep = rl_math.informative_groups(more_scores, cfg.group_size)
+        offset = len(problems)
+        gens = gens + [dataclasses.replace(g, prompt_index=g.prompt_index + offset) for g, k in zip(more, keep.tolist()) if k]
+        scores = torch.cat([scores, more_scores[keep]])
+        problems = problems + extra
+    return problems, gens, scores, drawn
 
 
 def end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import only
+from rlhf.loader import ConfigError
 from rlhf.models import load_causal_lm
 from rlhf.runner import execute_stage
 from rlhf.store import ArtifactStore
@@ -316,3 +317,24 @@ def test_an_iteration_with_only_uniform_groups_still_checkpoints_and_resumes(tin
     rows = store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
     assert sorted({r["step"] for r in rows if r["name"] == "trained_fraction"}) == [1, 2, 3]
     assert all(r["value"] == 0.0 for r in rows if r["name"] == "trained_fraction")
+
+
+def test_refill_samples_fresh_prompts_until_the_groups_are_informative(tiny_cfg):
+    """refill_rounds: groups dropped as uniform (here every addition) are replaced by groups of prompts the
+    iteration has not drawn, up to prompts_per_iteration informative groups; none is trained twice."""
+    common = ("grpo.iterations=1", "grpo.prompts_per_iteration=6", "grpo.group_size=4", "grpo.minibatch_size=8",
+              "grpo.skip_uniform_groups=true", "grpo.reward_function=reward_fns:uniform_on_sums", "data.rl_size=64")
+    trained = {}
+    for rounds in (0, 3):
+        cfg = rl_cfg(tiny_cfg, "grpo", *common, f"grpo.refill_rounds={rounds}", f"run.name=refill{rounds}")
+        execute_stage(cfg, "grpo")
+        store = ArtifactStore(cfg.storage)
+        exp = store.read_table(store.stage_path(cfg.run.name, "grpo", "experience", "iter-000001.parquet"),
+                               EXPERIENCE_SCHEMA).to_pylist()
+        assert all("+" not in r["prompt"] for r in exp)  # still no uniform group trained
+        groups = [r["prompt_id"] for r in exp[::4]]
+        assert len(groups) == len(set(groups)) and all(len({r["prompt_id"] for r in exp[i:i + 4]}) == 1 for i in range(0, len(exp), 4))
+        trained[rounds] = len(groups)
+    assert trained[0] < 6 and trained[0] < trained[3] <= 6
+    with pytest.raises(ConfigError, match="refill_rounds: refills the groups skip_uniform_groups drops"):
+        rl_cfg(tiny_cfg, "grpo", "grpo.refill_rounds=2", "grpo.skip_uniform_groups=false")
