@@ -479,7 +479,7 @@ class GRPOConfig(RLOptions):
     clip_eps_high: float | None = Field(None, gt=0.0, lt=1.0)  # DAPO clip-higher (Yu et al. 2025)
     # drop groups whose G rewards are all equal before scoring and updating: their advantages are 0, so
     # they cost a full forward/backward for no policy gradient (DAPO's dynamic sampling, Yu et al. 2025,
-    # sec. 3.2, without its refill: the iteration trains on fewer samples instead of sampling more)
+    # sec. 3.2; its refill of the dropped groups is refill_rounds below)
     skip_uniform_groups: bool = False
     # with skip_uniform_groups: up to this many extra sampling rounds per iteration, each on fresh prompts
     # for the missing groups, until prompts_per_iteration groups are informative (DAPO's refill; 0: none)
