@@ -21,9 +21,9 @@ ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
 
 
-def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False, echo: bool = True):
-    """The config, its stage plan and (check_data) the user data files' row check, whose summary lines
-    are printed (echo) or returned as a third value; exit 2 on a problem."""
+def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False):
+    """The config, its stage plan and (check_data) the user data files' row check as summary lines (one
+    per file; empty without check_data); exit 2 on a problem."""
     from rlhf.userdata import DataError
 
     try:
@@ -35,11 +35,7 @@ def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: 
             from rlhf.preflight import check_data as check
 
             lines = check(cfg)
-        if not echo:
-            return cfg, plan(cfg), lines
-        for line in lines:
-            typer.echo(line)
-        return cfg, plan(cfg)
+        return cfg, plan(cfg), lines
     except (ConfigError, DataError) as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(2) from None
@@ -54,7 +50,7 @@ def validate(
 ) -> None:
     """Check pipeline.yaml and the user data files; print the resolved config, the stage plan, derived
     batch quantities and the preflight (skip/resume/run per stage, memory estimate, warnings)."""
-    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], check_data=True, echo=False)
+    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], check_data=True)
     from rlhf import preflight
     from rlhf.store import ArtifactStore
 
@@ -91,7 +87,9 @@ def run(
     PREFECT_API_URL points at a server). Completed stages with unchanged content keys are skipped."""
     # JSON-quoted: a YAML double-quoted string, so `123` or `2024-01-01` stay names, and "" is refused, not ignored.
     overrides = list(set_ or []) + ([f"run.name={json.dumps(run_name)}"] if run_name is not None else [])
-    cfg, stages = _load_or_exit(config, profile, overrides, check_data=True)
+    cfg, stages, data_lines = _load_or_exit(config, profile, overrides, check_data=True)
+    for line in data_lines:
+        typer.echo(line)
     for stage, values in derived_quantities(cfg).items():
         typer.echo(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
     from rlhf.lock import RunLock, RunLocked
@@ -132,7 +130,7 @@ def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default
                                                       "2x this + 15 s is marked Crashed")] = 30) -> None:
     """Start a local Prefect server, a process worker per work pool, and register the deployments.
     Run again to restart workers that died; what is healthy is kept."""
-    cfg, _ = _load_or_exit(config, profile, set_ or [])
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
     from rlhf import services
 
     services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,
@@ -147,7 +145,7 @@ def deploy(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "def
     """Register `rlhf/full`, `rlhf-stage/<stage>` and the crash-detection automation on the server that
     PREFECT_API_URL names (a cluster's), without starting anything locally. Workers need
     PREFECT_FLOWS_HEARTBEAT_FREQUENCY set to the same heartbeat."""
-    cfg, _ = _load_or_exit(config, profile, set_ or [])
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
     from flows.rlhf import deploy as register
 
     register(cfg.model_dump(mode="json"), str(config.resolve()), heartbeat_seconds, source)
@@ -183,7 +181,7 @@ def query(
     if fmt not in ("table", "csv", "json"):
         typer.echo(f"--format: must be one of table, csv, json, got {fmt!r}", err=True)
         raise typer.Exit(2)
-    cfg, _ = _load_or_exit(config, profile, set_ or [])
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
     from rlhf.results import QueryRefused
     from rlhf.results import query as run_query
     from rlhf.store import ArtifactStore
@@ -221,7 +219,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="folder for report.md and PNGs")] = None,
 ) -> None:
     """Write a self-contained report of one run (markdown + PNG curves, Elo chart, leaderboard)."""
-    cfg, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(run_name)}"])
+    cfg, _, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(run_name)}"])
     from rlhf.report import build
     from rlhf.store import ArtifactStore
 

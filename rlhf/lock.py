@@ -91,14 +91,12 @@ class RunLock:
         from a shared store: fields of the wrong type count as a stale lock."""
         heartbeat, pid, host = current.get("heartbeat"), current.get("pid"), current.get("host")
         if not isinstance(heartbeat, (int, float)) or not isinstance(pid, int) or isinstance(pid, bool):
-            reason = "it is malformed"
-        elif _now() - heartbeat >= self.stale_after:
-            reason = f"its heartbeat is {_now() - heartbeat:.0f} s old"
-        elif host == socket.gethostname() and pid > 0 and not _alive(pid):
-            reason = f"its process {pid} on this host is gone"
-        else:
-            reason = None
-        return reason
+            return "it is malformed"
+        if _now() - heartbeat >= self.stale_after:
+            return f"its heartbeat is {_now() - heartbeat:.0f} s old"
+        if host == socket.gethostname() and pid > 0 and not _alive(pid):
+            return f"its process {pid} on this host is gone"
+        return None
 
     def _takeover(self, current: dict) -> bool:
         """Whether another owner's lock may be taken over; every takeover is logged."""

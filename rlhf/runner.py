@@ -118,14 +118,18 @@ def code_version(stage: str) -> str:
     return codehash.code_version(STAGE_MODULES[stage].replace(".", "/") + ".py")
 
 
+def shared_sections(cfg: PipelineConfig, stage: str) -> dict[str, dict]:
+    """The other config sections in a stage's key, as the key hashes them and its manifest records them."""
+    return {sec: cfg.stage(sec).model_dump(mode="json", exclude=PLACEMENT) for sec in SHARED_CONFIG.get(stage, ())}
+
+
 def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> str:
     """Hash of everything that determines the stage's outputs (not where it runs, not the run name)."""
-    placement = PLACEMENT
     payload = {
         "stage": stage,
-        "config": cfg.stage(stage).model_dump(mode="json", exclude=placement),
+        "config": cfg.stage(stage).model_dump(mode="json", exclude=PLACEMENT),
         # sections of other stages that this one reads (the RL loop samples with the rollout settings)
-        "shared": {s: cfg.stage(s).model_dump(mode="json", exclude=placement) for s in SHARED_CONFIG.get(stage, ())},
+        "shared": shared_sections(cfg, stage),
         "model": model_identity(cfg.model),
         "data": cfg.data.model_dump(mode="json"),
         "seed": cfg.run.seed,
@@ -192,7 +196,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         "inputs": {s: m["key"] for s, m in inputs.items()},
         "config": cfg.stage(stage).model_dump(mode="json"),
         # the other sections in its key (rlhf diff explains a changed key from these parts)
-        "shared": {sec: cfg.stage(sec).model_dump(mode="json", exclude=PLACEMENT) for sec in SHARED_CONFIG.get(stage, ())},
+        "shared": shared_sections(cfg, stage),
         "model": model_identity(cfg.model),
         "data": cfg.data.model_dump(mode="json"),
         "seed": cfg.run.seed,

@@ -295,8 +295,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         scores = scores.to(device)
         n_sampled, reward_sampled = len(gens), scores.mean().item()
         if getattr(cfg, "skip_uniform_groups", False):
-            keep = rl_math.informative_groups(scores, cfg.group_size)
-            gens, scores = [g for g, k in zip(gens, keep.tolist()) if k], scores[keep]
+            gens, scores = informative(gens, scores, cfg.group_size)
             problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
             n_sampled += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
             if not gens:  # every group uniform: nothing to learn from this iteration's samples
@@ -350,6 +349,12 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     return finish(algo, cfg, ctx, policy, tok, task, first)
 
 
+def informative(gens: list, scores: torch.Tensor, group_size: int) -> tuple[list, torch.Tensor]:
+    """The samples and scores of the groups whose rewards are not all equal (rl_math.informative_groups)."""
+    keep = rl_math.informative_groups(scores, group_size)
+    return [g for g, k in zip(gens, keep.tolist()) if k], scores[keep]
+
+
 def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device):
     """DAPO's dynamic sampling with refill (Yu et al. 2025, sec. 3.2): while fewer than
     prompts_per_iteration groups are informative and refill rounds remain, sample the missing number of
@@ -364,11 +369,10 @@ def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, devic
             break
         extra = rng.sample(unused, min(missing, len(unused)))
         more, more_scores = generate_and_score(engine, extra, dataclasses.replace(params, seed=params.seed + 1_000_003 * r), reward)
-        more_scores, drawn = more_scores.to(device), drawn + len(more)
-        keep = rl_math.informative_groups(more_scores, cfg.group_size)
-        offset = len(problems)
-        gens = gens + [dataclasses.replace(g, prompt_index=g.prompt_index + offset) for g, k in zip(more, keep.tolist()) if k]
-        scores = torch.cat([scores, more_scores[keep]])
+        drawn += len(more)
+        more, more_scores = informative(more, more_scores.to(device), cfg.group_size)
+        gens = gens + [dataclasses.replace(g, prompt_index=g.prompt_index + len(problems)) for g in more]
+        scores = torch.cat([scores, more_scores])
         problems = problems + extra
     return problems, gens, scores, drawn
 
