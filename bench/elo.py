@@ -18,10 +18,10 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf.bradley_terry import rate  # noqa: E402
-from rlhf.config import StorageConfig  # noqa: E402
-from rlhf.results import SCHEMAS, query  # noqa: E402
-from rlhf.store import ArtifactStore  # noqa: E402
+from rlhf.maths.bradley_terry import rate  # noqa: E402
+from rlhf.core.config import StorageConfig  # noqa: E402
+from rlhf.ops.results import SCHEMAS, query  # noqa: E402
+from rlhf.core.store import ArtifactStore  # noqa: E402
 
 
 def battles(n: int, k: int, seed: int = 0):

@@ -25,9 +25,9 @@ from side_by_side import run_variants  # noqa: E402  (bench/ is sys.path[0] when
 
 
 def ours(model: str, iterations: int, logp_old: str = "recompute") -> dict:
-    from rlhf.config import STAGES
-    from rlhf.loader import load_config
-    from rlhf.runner import execute_stage
+    from rlhf.core.registry import NAMES as STAGES
+    from rlhf.core.loader import load_config
+    from rlhf.pipeline.runner import execute_stage
 
     with tempfile.TemporaryDirectory() as store:
         # Like for like with TRL: its prompts (the training problems), every group trained on.
@@ -46,9 +46,9 @@ def trl(model: str, iterations: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf.config import DataConfig, ModelConfig
-    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-    from rlhf.tasks import Task
+    from rlhf.core.config import DataConfig, ModelConfig
+    from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.data.tasks import Task
 
     mcfg = ModelConfig(name=model)
     path = resolve_model(mcfg)

@@ -29,9 +29,9 @@ def variant(name: str, model_name: str, n_pairs: int, batch: int, workdir: str) 
     from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
 
-    from rlhf.config import DataConfig, ModelConfig
-    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-    from rlhf.tasks import Task
+    from rlhf.core.config import DataConfig, ModelConfig
+    from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.data.tasks import Task
     from stages.kto import CachedRefKTOTrainer
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Reference-cache throughput: our batched reference pass (rlhf/logprobs.py pair_logps: collation,
+"""Reference-cache throughput: our batched reference pass (rlhf/engines/logprobs.py pair_logps: collation,
 forward, log-softmax, gather, sums) vs a plain forward of the very same padded batches (model call
 only), side by side in one process on the embedded default model. The ratio is what the log-prob
 bookkeeping costs on top of the forward that any reference pass must do.
@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf.config import DataConfig, ModelConfig  # noqa: E402
-from rlhf.logprobs import pair_logps, tokenize_pair  # noqa: E402
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from rlhf.pairs import preference_pairs  # noqa: E402
+from rlhf.core.config import DataConfig, ModelConfig  # noqa: E402
+from rlhf.engines.logprobs import pair_logps, tokenize_pair  # noqa: E402
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
+from rlhf.data.pairs import preference_pairs  # noqa: E402
 
 
 def main() -> None:

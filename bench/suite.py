@@ -48,8 +48,9 @@ def last_json(cmd: list[str]) -> dict:
 def pipeline(profile: str) -> dict:
     """`rlhf run` of a profile into a fresh store: wall time, each stage's own seconds, and the rest."""
     sys.path.insert(0, str(ROOT))
-    from rlhf.config import STAGES, StorageConfig
-    from rlhf.store import ArtifactStore
+    from rlhf.core.config import StorageConfig
+    from rlhf.core.registry import NAMES as STAGES
+    from rlhf.core.store import ArtifactStore
 
     with tempfile.TemporaryDirectory() as root:
         name = f"bench-{profile}"

@@ -1,4 +1,4 @@
-"""Rollout throughput: the vLLM engine (its own environment, rlhf/vllm_engine.py) vs the HF engine
+"""Rollout throughput: the vLLM engine (its own environment, rlhf/engines/vllm_engine.py) vs the HF engine
 (transformers generate), same model, prompts, sampling parameters and lengths, one after the other in
 one run. Generated tokens per second, engine start excluded (reported apart).
 
@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlhf.config import DataConfig, ModelConfig  # noqa: E402
-from rlhf.engine import HFEngine, SamplingParams  # noqa: E402
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from rlhf.tasks import Task, user  # noqa: E402
-from rlhf.vllm_engine import VLLMEngine  # noqa: E402
+from rlhf.core.config import DataConfig, ModelConfig  # noqa: E402
+from rlhf.engines.engine import HFEngine, SamplingParams  # noqa: E402
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
+from rlhf.data.tasks import Task, user  # noqa: E402
+from rlhf.engines.vllm_engine import VLLMEngine  # noqa: E402
 
 
 def main() -> None:

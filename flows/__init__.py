@@ -1,1 +1,1 @@
-"""Prefect flows: a thin shell over rlhf.runner. Nothing here computes; it schedules and logs."""
+"""Prefect flows: a thin shell over rlhf.pipeline.runner. Nothing here computes; it schedules and logs."""

@@ -2,7 +2,7 @@
 
 Tasks receive the resolved config (a small dict) and pass artifact references, never tensors or
 models, so a task can run in another process or on another work pool and read the same artifacts from
-the store. Skips, resumes and runs are decided by rlhf.runner.execute_stage.
+the store. Skips, resumes and runs are decided by rlhf.pipeline.runner.execute_stage.
 """
 
 from __future__ import annotations
@@ -13,11 +13,14 @@ from contextlib import contextmanager
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf import preflight, progress
-from rlhf.loader import load_config, validate
-from rlhf.lock import RunLock
-from rlhf.runner import execute_stage, plan
-from rlhf.store import ArtifactStore
+from rlhf.core import progress
+
+from rlhf.pipeline import preflight
+from rlhf.core.loader import load_config, validate
+from rlhf.pipeline.lock import RunLock
+from rlhf.core.registry import plan
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
 
 
 class _ToRunLogger(logging.Handler):
@@ -50,7 +53,7 @@ SUMMARY = ("stage", "status", "key", "outputs", "metrics", "resumed_from_step")
 
 class ProgressArtifact:
     """Keeps one Prefect progress artifact per stage run up to date (at most every few seconds), so the
-    UI shows how far the stage is; fed by rlhf.progress, which the stage loops report to."""
+    UI shows how far the stage is; fed by rlhf.core.progress, which the stage loops report to."""
 
     def __init__(self, min_interval: float = 3.0):
         self.id, self.last, self.min_interval = None, 0.0, min_interval
@@ -103,7 +106,7 @@ def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
     )
     if not flow_run.state.is_completed():  # Crashed too: a lost worker (see ensure_crash_detection)
         raise RuntimeError(
-            f"stage {stage!r} on work pool {placement.work_pool!r} ended {flow_run.state.name}: {flow_run.state.message}"
+            f"stage {stage!r} on work pool {cfg.work_pool(stage)!r} ended {flow_run.state.name}: {flow_run.state.message}"
         )
     after = store.require_manifest(cfg.run.name, stage)
     skipped = before is not None and before["key"] == after["key"]
@@ -162,7 +165,7 @@ def publish_leaderboard(cfg) -> None:
 
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from rlhf.results import SCHEMAS
+    from rlhf.data.schemas import SCHEMAS
 
     store = ArtifactStore(cfg.storage)
     run = cfg.run.name
@@ -222,14 +225,14 @@ def ensure_crash_detection(heartbeat_seconds: int) -> None:
 
 
 def publish_report(cfg) -> None:
-    """The run report (rlhf/report.py) into the store at `<run>/_report/`, and as a markdown artifact."""
+    """The run report (rlhf/ops/report.py) into the store at `<run>/_report/`, and as a markdown artifact."""
     import re
     import tempfile
     from pathlib import Path
 
     from prefect.artifacts import create_markdown_artifact
 
-    from rlhf.report import build
+    from rlhf.ops.report import build
 
     store = ArtifactStore(cfg.storage)
     with tempfile.TemporaryDirectory() as tmp:
@@ -246,7 +249,7 @@ def deploy(config: dict, config_path: str, heartbeat_seconds: int = 30, source: 
     Source is this checkout (a process pool runs the flow from here; no image, no network)."""
     from pathlib import Path
 
-    from rlhf.config import STAGES
+    from rlhf.core.registry import NAMES as STAGES
 
     cfg = validate(config, "deploy")
     repo = source or str(Path(__file__).resolve().parent.parent)  # a path the workers see, or a git URL
@@ -257,7 +260,7 @@ def deploy(config: dict, config_path: str, heartbeat_seconds: int = 30, source: 
     for stage in STAGES:
         placement = cfg.stage(stage)
         rlhf_stage.from_source(source=repo, entrypoint="flows/rlhf.py:rlhf_stage").deploy(
-            name=stage, work_pool_name=placement.work_pool, job_variables=dict(placement.job_variables),
+            name=stage, work_pool_name=cfg.work_pool(stage), job_variables=dict(placement.job_variables),
             print_next_steps=False,
         )
     ensure_crash_detection(heartbeat_seconds)

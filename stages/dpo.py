@@ -14,20 +14,20 @@ from __future__ import annotations
 from trl import DPOConfig as TRLDPOConfig
 from trl import DPOTrainer
 
-from rlhf.config import DPOConfig
-from rlhf.logprobs import CompletionOnlyScoring
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import stage_pairs
-from rlhf.runner import StageContext, StageResult
-from rlhf.training import TrainerRun, fetch_model, trainer_kwargs
-from stages.ref_logprobs import REF_LOGPS_SCHEMA
+from rlhf.core.config import DPOConfig
+from rlhf.engines.logprobs import CompletionOnlyScoring
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.data.pairs import stage_pairs
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.train.training import TrainerRun, fetch_model, trainer_kwargs
+from rlhf.train.refcache import REF_LOGPS_SCHEMA
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 class CachedRefDPOTrainer(CompletionOnlyScoring, DPOTrainer):
     """DPOTrainer whose reference log-probs always come from the dataset (our durable cache), scoring
-    completion positions only (rlhf/logprobs.py `completion_only_scoring`)."""
+    completion positions only (rlhf/engines/logprobs.py `completion_only_scoring`)."""
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         missing = [c for c in REF_COLUMNS if c not in dataset.column_names]

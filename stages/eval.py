@@ -7,7 +7,7 @@ response length, and mean log-ratio to the reference policy on the policy's own 
 (sum_t log pi(y_t) - log pi_ref(y_t): the k1 KL estimate, Schulman 2020; with greedy decoding it is
 a divergence measure on the greedy outputs, not an unbiased KL).
 Outputs (Parquet, explicit schemas): samples, battles, ratings, metrics, accuracy_diffs, run; plus
-`leaderboard.md` and `ratings.png`. rlhf/results.py exposes them to DuckDB across runs.
+`leaderboard.md` and `ratings.png`. rlhf/ops/results.py exposes them to DuckDB across runs.
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import pyarrow as pa
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rlhf import progress
-from rlhf.bradley_terry import paired_accuracy_diff, rate
-from rlhf.config import EvalConfig
-from rlhf.engine import HFEngine, SamplingParams, chat_ids
-from rlhf.logprobs import response_logps
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
-from rlhf.results import SCHEMAS
-from rlhf.rewards import reward_model_scores
-from rlhf.runner import StageContext, StageResult
-from rlhf.tasks import Task, assistant, user
-from rlhf.training import fetch_model
+from rlhf.core import progress
+from rlhf.maths.bradley_terry import paired_accuracy_diff, rate
+from rlhf.core.config import EvalConfig
+from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
+from rlhf.engines.logprobs import response_logps
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
+from rlhf.data.schemas import SCHEMAS
+from rlhf.train.rewards import reward_model_scores
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.data.tasks import Task, assistant, user
+from rlhf.train.training import fetch_model
 
 
 def policy_path(ctx: StageContext, policy: str) -> str:

@@ -9,7 +9,7 @@ batch of per_device_batch_size). Because that pairing is made by TRL's own prepr
 filled inside this stage by TRL's own `compute_ref_log_probs`, run on the initial policy before training
 (the reference *is* the initial policy, so no second model is ever loaded), rather than by a separate
 stage that would have to mirror TRL's private pairing. The entry is content-addressed like DPO's
-(stages/ref_logprobs.py): `<root>/_cache/kto_ref_logprobs/<key>/`, its manifest written last, and the key
+(rlhf/train/refcache.py): `<root>/_cache/kto_ref_logprobs/<key>/`, its manifest written last, and the key
 covers the reference weights and tokenizer files, the examples in order, max_length, the batch size that
 fixes the KL pairing, dtype, this module and the TRL version. Any run with the same key does zero reference
 forward passes, so a sweep over beta or the class weights pays the reference pass once.
@@ -28,13 +28,13 @@ from torch.utils.data import DataLoader
 from trl import KTOConfig as TRLKTOConfig
 from trl import KTOTrainer
 
-from rlhf.config import KTOConfig
-from rlhf.logprobs import CompletionOnlyScoring, completion_only_scoring, tokenize_pair
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import onpolicy_pairs, unpaired_examples
-from rlhf.runner import StageContext, StageResult
-from rlhf.training import TrainerRun, fetch_model, trainer_kwargs
-from stages.ref_logprobs import TABLE, read_entry, reference_key, screen, write_entry
+from rlhf.core.config import KTOConfig
+from rlhf.engines.logprobs import CompletionOnlyScoring, completion_only_scoring, tokenize_pair
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.data.pairs import onpolicy_pairs, unpaired_examples
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.train.training import TrainerRun, fetch_model, trainer_kwargs
+from rlhf.train.refcache import TABLE, read_entry, reference_key, screen, write_entry
 
 KTO_REF_SCHEMA = pa.schema(
     [

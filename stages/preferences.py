@@ -8,7 +8,7 @@ policy) and of iterative/online DPO (Xiong et al. 2024, RLHFlow): the reward mod
 from the mistakes this policy actually makes, not from synthetic ones. Judges: the task verifier, a
 reward function `module:function` (TRL's signature), or a sequence-classification reward model by path.
 
-Outputs (Parquet, rlhf.pairs.PAIRS_SCHEMA: TRL's conversational preference format plus provenance):
+Outputs (Parquet, rlhf.data.pairs.PAIRS_SCHEMA: TRL's conversational preference format plus provenance):
 `pairs.parquet` from training prompts, `eval_pairs.parquet` from held-out prompts (the reward model's
 held-out accuracy); `samples.parquet` with every judged answer.
 """
@@ -20,15 +20,15 @@ import time
 import pyarrow as pa
 import torch
 
-from rlhf import progress
-from rlhf.config import PreferencesConfig
-from rlhf.engine import HFEngine, SamplingParams
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
-from rlhf.pairs import PAIRS_SCHEMA, build_pairs
-from rlhf.rewards import function_scores, import_reward_function, reward_model_scores
-from rlhf.runner import StageContext, StageResult
-from rlhf.tasks import Problem, Task, assistant, user
-from rlhf.training import fetch_model
+from rlhf.core import progress
+from rlhf.core.config import PreferencesConfig
+from rlhf.engines.engine import HFEngine, SamplingParams
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
+from rlhf.data.pairs import PAIRS_SCHEMA, build_pairs
+from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.data.tasks import Problem, Task, assistant, user
+from rlhf.train.training import fetch_model
 
 SAMPLES_SCHEMA = pa.schema([
     pa.field("split", pa.string(), nullable=False),  # train | eval

@@ -3,116 +3,33 @@
 Content-addressed and durable (TRL keeps these in memory per run; TRL issue 3985, NeMo RL issue 2484):
 the cache key hashes the reference weights (a digest of the safetensors files), the tokenizer files, the
 pairs' content, max_length, dtype, whether per-token values are kept, and the code (this module,
-rlhf/logprobs.py and the TRL version whose tokenisation it mirrors). A complete entry under
+rlhf/engines/logprobs.py and the TRL version whose tokenisation it mirrors). A complete entry under
 `<root>/_cache/ref_logprobs/<key>/` (its manifest.json written last) is reused by any run: zero forward
 passes. Output: `ref_logps.parquet` in the stage prefix, a copy of the entry.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 
-from rlhf import progress
-from rlhf.config import RefLogprobsConfig
-from rlhf.logprobs import TokenizedPair, length_problem, pair_logps, tokenize_pair
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import stage_pairs
-from rlhf.runner import StageContext, StageResult
-from rlhf.training import fetch_model
-
-REF_LOGPS_SCHEMA = pa.schema(
-    [
-        pa.field("pair_id", pa.string(), nullable=False),
-        pa.field("ref_chosen_logps", pa.float64(), nullable=False),
-        pa.field("ref_rejected_logps", pa.float64(), nullable=False),
-        pa.field("prompt_tokens", pa.int32(), nullable=False),
-        pa.field("chosen_tokens", pa.int32(), nullable=False),
-        pa.field("rejected_tokens", pa.int32(), nullable=False),
-        pa.field("ref_chosen_token_logps", pa.list_(pa.float32())),  # null unless per_token
-        pa.field("ref_rejected_token_logps", pa.list_(pa.float32())),
-    ]
-)
-TABLE = "ref_logps.parquet"
-
-
-class BadPairs(ValueError):
-    pass
-
-
-def digest_files(folder: Path, patterns: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for pattern in patterns:
-        for path in sorted(folder.glob(pattern)):
-            h.update(path.name.encode())
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
-    return h.hexdigest()
-
-
-def rows_fingerprint(rows: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
-
-
-def reference_key(model_dir: Path, rows: list[dict], dtype: str, code: list[Path], **settings) -> str:
-    """Content key of a reference log-prob cache entry: the weights and tokenizer files themselves (not a
-    name), the rows, the dtype, the code that computes the numbers and the TRL version it follows."""
-    parts = {
-        "weights": digest_files(model_dir, ("*.safetensors",)),
-        "tokenizer": digest_files(model_dir, ("tokenizer*.json", "special_tokens_map.json", "chat_template*")),
-        "data": rows_fingerprint(rows),
-        "dtype": dtype,
-        "code": hashlib.sha256(b"".join(p.read_bytes() for p in code)).hexdigest(),
-        "trl": version("trl"),
-        **settings,
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+from rlhf.core import progress
+from rlhf.core.config import RefLogprobsConfig
+from rlhf.engines import logprobs
+from rlhf.engines.logprobs import TokenizedPair, pair_logps, tokenize_pair
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.data.pairs import stage_pairs
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, read_entry, reference_key, screen, write_entry
+from rlhf.train.training import fetch_model
 
 
 def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
-    code = [Path(__file__), Path(__file__).parent.parent / "rlhf" / "logprobs.py"]
+    code = [Path(__file__), Path(logprobs.__file__)]  # the stage and the maths it runs
     return reference_key(model_dir, rows, dtype, code, max_length=cfg.max_length, per_token=cfg.per_token)
-
-
-def read_entry(ctx, kind: str, key: str, schema: pa.Schema) -> tuple[str, pa.Table | None]:
-    """(entry path, its table) for a complete cache entry of `kind` (manifest present), else (path, None)."""
-    entry = ctx.store.path("_cache", kind, key)
-    if ctx.store.read_json(f"{entry}/manifest.json") is None:
-        return entry, None
-    return entry, ctx.store.read_table(f"{entry}/{TABLE}", schema)
-
-
-def write_entry(ctx, entry: str, key: str, table: pa.Table, schema: pa.Schema) -> None:
-    ctx.store.write_table(f"{entry}/{TABLE}", table, schema)
-    ctx.store.write_json(f"{entry}/manifest.json", {"key": key, "rows": table.num_rows, "run": ctx.cfg.run.name})  # last
-
-
-def screen(
-    pairs: list[TokenizedPair], max_length: int, on_bad_row: str, log, noun: str = "preference pair"
-) -> tuple[list[TokenizedPair], list[str]]:
-    """Over-long or empty rows, by id: fail on the first screening (data.on_bad_row: fail) or drop and count."""
-    kept, problems = [], []
-    for pair in pairs:
-        problem = length_problem(pair, max_length)
-        if problem is None:
-            kept.append(pair)
-        else:
-            problems.append(f"{noun.split()[-1]} {pair.pair_id}: {problem}")
-    if problems and on_bad_row == "fail":
-        shown = "\n  ".join(problems[:20])
-        raise BadPairs(f"{len(problems)} {noun}s are unusable (data.on_bad_row: fail):\n  {shown}")
-    for p in problems:
-        log.warning("dropped %s", p)
-    if not kept:
-        raise BadPairs(f"no usable {noun}s left after screening")
-    return kept, problems
 
 
 def to_table(pairs: list[TokenizedPair], out) -> pa.Table:

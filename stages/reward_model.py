@@ -18,12 +18,12 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
-from rlhf.config import RewardModelConfig
-from rlhf.models import load_tokenizer, resolve_model, torch_dtype, weights_dtype
-from rlhf.pairs import onpolicy_pairs, stage_pairs
-from rlhf.rewards import reward_model_scores
-from rlhf.runner import StageContext, StageResult
-from rlhf.training import (
+from rlhf.core.config import RewardModelConfig
+from rlhf.core.models import load_tokenizer, resolve_model, torch_dtype, weights_dtype
+from rlhf.data.pairs import onpolicy_pairs, stage_pairs
+from rlhf.train.rewards import reward_model_scores
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.train.training import (
     TrainerRun,
     fetch_model,
     peft_config,

@@ -1,6 +1,6 @@
 """Rollout: responses of one checkpoint (base, sft, dpo, ppo or grpo) to a prompt set, as Parquet.
 
-Uses the rollout engine interface (rlhf/engine.py) with the `rollout` sampling parameters, scores each
+Uses the rollout engine interface (rlhf/engines/engine.py) with the `rollout` sampling parameters, scores each
 response with the task verifier, and writes `rollouts.parquet` (prompt id, sample index, prompt,
 response, token ids, sampler log-probs, finish reason, reward).
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 import pyarrow as pa
 import torch
 
-from rlhf import progress
-from rlhf.config import RolloutConfig
-from rlhf.engine import HFEngine, SamplingParams
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.runner import StageContext, StageResult
-from rlhf.tasks import Task, user
-from rlhf.training import fetch_model
+from rlhf.core import progress
+from rlhf.core.config import RolloutConfig
+from rlhf.engines.engine import HFEngine, SamplingParams
+from rlhf.engines.vllm_engine import make_vllm
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.data.tasks import Task, user
+from rlhf.train.training import fetch_model
 
 ROLLOUT_SCHEMA = pa.schema([
     pa.field("prompt_id", pa.string(), nullable=False),
@@ -28,15 +29,6 @@ ROLLOUT_SCHEMA = pa.schema([
     pa.field("finish_reason", pa.string()),
     pa.field("reward", pa.float64()),
 ])
-
-
-def make_vllm(cfg: RolloutConfig, model_dir: str, tok, dtype: str, seed: int):
-    from rlhf.vllm_engine import VLLMEngine
-
-    v = cfg.vllm
-    return VLLMEngine(model_dir, tok, python=v.python, dtype=dtype, max_model_len=v.max_model_len, seed=seed,
-                      tensor_parallel_size=v.tensor_parallel_size, gpu_memory_utilization=v.gpu_memory_utilization,
-                      enforce_eager=v.enforce_eager)
 
 
 def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:

@@ -10,15 +10,15 @@ from __future__ import annotations
 from trl import SFTConfig as TRLSFTConfig
 from trl import SFTTrainer
 
-from rlhf import dist
-from rlhf.config import SFTConfig
-from rlhf.generation import verifier_accuracy
-from rlhf.logprobs import CompletionOnlyScoring
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.pairs import demonstrations
-from rlhf.runner import StageContext, StageResult
-from rlhf.tasks import Task
-from rlhf.training import TrainerRun, trainer_kwargs
+from rlhf.core import dist
+from rlhf.core.config import SFTConfig
+from rlhf.engines.generation import verifier_accuracy
+from rlhf.engines.logprobs import CompletionOnlyScoring
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.data.pairs import demonstrations
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.data.tasks import Task
+from rlhf.train.training import TrainerRun, trainer_kwargs
 
 
 class CompletionScoredSFTTrainer(CompletionOnlyScoring, SFTTrainer):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import STAGES
+from rlhf.core.registry import NAMES as STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "pipeline.yaml"
@@ -127,7 +127,7 @@ def storage_url(request, tmp_path):
 @pytest.fixture
 def tiny_cfg(tmp_path):
     """The tiny profile with artifacts in a fresh folder; extra overrides as arguments."""
-    from rlhf.loader import load_config
+    from rlhf.core.loader import load_config
 
     def make(*overrides: str, storage: str | None = None):
         return load_config(CONFIG, "tiny", [f"storage.url={storage or tmp_path / 'artifacts'}", *overrides])

@@ -5,7 +5,7 @@ token would almost never fire. The share of response tokens whose id lies in the
 vocabulary starts near 1/3 and can be pushed up within seconds: a real learning signal for tests.
 """
 
-from rlhf.rewards import low_vocab_share  # noqa: F401  (the tests name it as reward_fns:low_vocab_share)
+from rlhf.train.rewards import low_vocab_share  # noqa: F401  (the tests name it as reward_fns:low_vocab_share)
 
 
 def brevity(prompts, completions, completion_ids, **kwargs):

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from conftest import CONFIG, run_cli
-from rlhf.cli import app
-from rlhf.config import PipelineConfig
+from rlhf.ops.cli import app
+from rlhf.core.config import PipelineConfig
 from test_config import laughs
 
 PAIRS_OFF = ["preferences.enabled=false"]  # user preference files need the on-policy pairs stage off

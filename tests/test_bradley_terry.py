@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from rlhf.bradley_terry import ELO_PER_NAT, fit_strengths, paired_accuracy_diff, rate, to_elo, win_matrix
+from rlhf.maths.bradley_terry import ELO_PER_NAT, fit_strengths, paired_accuracy_diff, rate, to_elo, win_matrix
 
 NAMES = ["a", "b", "c", "d"]
 TRUE_ELO = np.array([1000.0, 1100.0, 900.0, 1250.0])

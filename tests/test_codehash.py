@@ -5,13 +5,13 @@ from __future__ import annotations
 import shutil
 
 from conftest import REPO
-from rlhf import codehash
-from rlhf.runner import STAGE_MODULES
+from rlhf.core import codehash
+from rlhf.core.registry import SPECS
 
 
 def versions(root) -> dict[str, str]:
     codehash.code_files.cache_clear()
-    return {s: codehash.code_version(m.replace(".", "/") + ".py", root) for s, m in STAGE_MODULES.items()}
+    return {s: codehash.code_version(spec.module.replace(".", "/") + ".py", root) for s, spec in SPECS.items()}
 
 
 def test_an_edit_changes_the_keys_of_exactly_the_stages_that_import_it(tmp_path):
@@ -20,24 +20,29 @@ def test_an_edit_changes_the_keys_of_exactly_the_stages_that_import_it(tmp_path)
     before = versions(tmp_path)
     assert before == versions(REPO)  # same files, same versions: the hash does not depend on the folder
 
-    with open(tmp_path / "stages" / "rollout.py", "a") as f:
-        f.write("# a comment\n")
-    after = versions(tmp_path)
-    changed = {s for s in before if before[s] != after[s]}
-    assert changed == {"rollout", "ppo", "grpo"}  # the RL loop samples through stages/rollout.py
+    def edit(rel: str) -> set[str]:
+        previous = versions(tmp_path)
+        with open(tmp_path / rel, "a") as f:
+            f.write("# a comment\n")
+        now = versions(tmp_path)
+        return {s for s in previous if previous[s] != now[s]}
 
-    for rel in ("rlhf/report.py", "rlhf/cli.py"):  # nothing a stage runs
+    assert edit("stages/rollout.py") == {"rollout"}  # a stage module is its own: no stage imports another
+    assert edit("rlhf/engines/vllm_engine.py") == {"rollout", "ppo", "grpo"}  # both sample through it
+    assert edit("rlhf/train/rl_loop.py") == {"ppo", "grpo"}
+    after = versions(tmp_path)
+    for rel in ("rlhf/ops/report.py", "rlhf/ops/cli.py"):  # nothing a stage runs
         with open(tmp_path / rel, "a") as f:
             f.write("# a comment\n")
     assert versions(tmp_path) == after
 
-    with open(tmp_path / "rlhf" / "rl_math.py", "a") as f:
+    with open(tmp_path / "rlhf" / "maths" / "rl_math.py", "a") as f:
         f.write("# a comment\n")
     assert {s for s, v in versions(tmp_path).items() if v != after[s]} >= {"ppo", "grpo"}
-    with open(tmp_path / "rlhf" / "store.py", "a") as f:  # the runner imports it: every stage
+    with open(tmp_path / "rlhf" / "core" / "store.py", "a") as f:  # the runner imports it: every stage
         f.write("# a comment\n")
     final = versions(tmp_path)
-    assert all(final[s] != after[s] for s in STAGE_MODULES)
+    assert all(final[s] != after[s] for s in SPECS)
 
 
 def test_imports_inside_functions_and_from_package_imports_count(tmp_path):

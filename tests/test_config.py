@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import CONFIG, REPO, run_cli
-from rlhf.loader import ConfigError, apply_override, derived_quantities, load_config
+from rlhf.core.loader import ConfigError, apply_override, derived_quantities, load_config
 
 
 def config_files() -> list[Path]:
@@ -87,7 +87,7 @@ def test_derived_quantities_by_hand():
     cfg = load_config(CONFIG, "default", ["grpo.epochs=2"])
     raw = cfg.model_dump()
     raw["grpo"]["enabled"] = True
-    from rlhf.config import PipelineConfig
+    from rlhf.core.config import PipelineConfig
 
     d = derived_quantities(PipelineConfig.model_validate(raw))
     assert d["grpo"]["rollouts_per_iteration"] == 64 and d["grpo"]["optimizer_steps_per_iteration"] == 4

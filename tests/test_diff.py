@@ -7,9 +7,9 @@ import shutil
 from typer.testing import CliRunner
 
 from conftest import CONFIG, only
-from rlhf.cli import app
-from rlhf.diff import flatten, stage_diff
-from rlhf.runner import execute_stage
+from rlhf.ops.cli import app
+from rlhf.ops.diff import flatten, stage_diff
+from rlhf.pipeline.runner import execute_stage
 
 
 def manifest(key: str, **parts) -> dict:
@@ -58,8 +58,8 @@ def test_diff_of_two_tiny_runs_names_the_changed_key_and_the_stages_it_reaches(t
     assert missing.exit_code == 2 and "no run 'nope'" in missing.stderr
 
     # the ledger: a row per completed stage, from the manifests (issue 20), through rlhf query
-    from rlhf.results import query
-    from rlhf.store import ArtifactStore
+    from rlhf.ops.results import query
+    from rlhf.core.store import ArtifactStore
 
     store = ArtifactStore(a.storage)
     rows = query(store, "SELECT stage, wall_seconds, cpu_seconds, peak_rss_mb, device, packages_hash, tokens "

@@ -1,4 +1,4 @@
-"""Multi-process stages (rlhf/launch.py): torchrun with gloo on this machine's CPUs.
+"""Multi-process stages (rlhf/pipeline/launch.py): torchrun with gloo on this machine's CPUs.
 
 Equivalence: N processes with per-device batch b take the same optimizer steps as one process with
 gradient accumulation N on the same data (accelerate hands rank r the batches r, r+N, ... of the same
@@ -19,15 +19,15 @@ import torch
 from conftest import CONFIG, only
 from safetensors.torch import load_file
 
-from rlhf.launch import LaunchError
-from rlhf.loader import ConfigError, load_config
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
-from rlhf.training import CRASH_ENV
+from rlhf.pipeline.launch import LaunchError
+from rlhf.core.loader import ConfigError, load_config
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
+from rlhf.train.training import CRASH_ENV
 
 HOOK = '''
 import json, os
-from rlhf.store import ArtifactStore
+from rlhf.core.store import ArtifactStore
 OPS = ("write_manifest", "put_dir", "write_table")
 def wrapped(name, inner):
     def wrapper(self, *a, **kw):
@@ -99,7 +99,7 @@ def test_two_process_sft_equals_one_process_with_accumulation_and_resumes(tmp_pa
 
 
 def _init_weights(cfg) -> Path:
-    from rlhf.models import resolve_model
+    from rlhf.core.models import resolve_model
 
     return Path(resolve_model(cfg.model)) / "model.safetensors"
 

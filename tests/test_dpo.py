@@ -10,12 +10,12 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig
 
-from rlhf.config import ModelConfig
-from rlhf.logprobs import pair_logps, tokenize_pair
-from rlhf.losses import dpo_loss
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.config import ModelConfig
+from rlhf.engines.logprobs import pair_logps, tokenize_pair
+from rlhf.maths.losses import dpo_loss
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from conftest import only
-from rlhf.runner import execute_stage
+from rlhf.pipeline.runner import execute_stage
 from stages.dpo import CachedRefDPOTrainer
 from test_ref_cache import CONV
 from test_sft_rm import separable_pairs

@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from conftest import only, run_cli
-from rlhf.config import EvalConfig, StorageConfig
-from rlhf.results import SCHEMAS, QueryRefused, query
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
+from rlhf.core.config import EvalConfig, StorageConfig
+from rlhf.ops.results import SCHEMAS, QueryRefused, query
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
 from stages.eval import battles
 
 BASE_AND_SFT = (*only("sft", "eval"), "eval.policies=[base, sft]", "eval.judge=verifier")

@@ -8,8 +8,9 @@ import shlex
 import time
 
 from conftest import CONFIG, REPO, run_cli
-from rlhf.loader import load_config
-from rlhf.store import ArtifactStore
+from rlhf.core.loader import load_config
+from rlhf.core.registry import SPECS, output_path
+from rlhf.core.store import ArtifactStore
 
 STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
 
@@ -33,6 +34,10 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
 
     store = ArtifactStore(load_config(CONFIG, "tiny", [f"storage.url={store_url}"]).storage)
     keys = {s: store.require_manifest("flowtest", s)["key"] for s in STAGES}
+    for stage in STAGES:  # each manifest lists the outputs its registry entry names, and each exists where it says
+        outputs = store.require_manifest("flowtest", stage)["outputs"]
+        assert sorted(outputs) == sorted(SPECS[stage].outputs), stage
+        assert all(store.fs.exists(output_path(store, "flowtest", stage, n, rel)) for n, rel in outputs.items()), outputs
 
     t0 = time.perf_counter()
     second = run_cli(*args)
@@ -52,6 +57,8 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
     report = (out / "report.md").read_text()
     for stage in STAGES:
         assert f"| {stage} | complete |" in report
+    cache_entry = store.require_manifest("flowtest", "ref_logprobs")["outputs"]["cache_entry"]
+    assert f"- `cache_entry`: {store.url(store.path(cache_entry))}\n" in report  # the shared cache, not the stage's folder
     assert re.search(r"\| sft \| complete \| \d+ s \| \d+\.\d GiB \|", report)  # the stage's peak RSS
     assert "### Leaderboard" in report and "![Elo with 95% bootstrap intervals](ratings.png)" in report
     from PIL import Image
@@ -93,7 +100,7 @@ def test_run_refuses_bad_user_data_before_any_work(tmp_path):
 
 
 def test_progress_reaches_a_prefect_progress_artifact():
-    """The stage loops' rlhf.progress reports become one progress artifact per stage run, updated to 100.
+    """The stage loops' rlhf.core.progress reports become one progress artifact per stage run, updated to 100.
     The flow here only hosts the listener; prefect_test_harness is a real temporary Prefect API."""
     from prefect import flow
     from prefect.client.orchestration import get_client
@@ -101,7 +108,7 @@ def test_progress_reaches_a_prefect_progress_artifact():
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.rlhf import ProgressArtifact
-    from rlhf import progress
+    from rlhf.core import progress
 
     @flow
     def stage_like() -> str:

@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 from trl import KTOConfig
 
 from conftest import only
-from rlhf.config import ModelConfig
-from rlhf.logprobs import completion_logps
-from rlhf.losses import kto_loss
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.runner import execute_stage
-from rlhf.userdata import DataError
+from rlhf.core.config import ModelConfig
+from rlhf.engines.logprobs import completion_logps
+from rlhf.maths.losses import kto_loss
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.pipeline.runner import execute_stage
+from rlhf.data.userdata import DataError
 from stages.kto import CachedRefKTOTrainer
 
 T = lambda *v: torch.tensor(v, dtype=torch.float64)  # noqa: E731

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, only
-from rlhf.config import StorageConfig
-from rlhf.lock import RunLock, RunLocked
-from rlhf.store import ArtifactStore
+from rlhf.core.config import StorageConfig
+from rlhf.pipeline.lock import RunLock, RunLocked
+from rlhf.core.store import ArtifactStore
 
 
 def test_same_name_refused_other_names_free_and_release(storage_url):
@@ -49,7 +49,7 @@ def test_same_host_dead_process_lock_is_taken_over_at_once_and_logged(tmp_path, 
     pid = int(gone.stdout)
     fresh = {"owner": "crashed", "host": socket.gethostname(), "pid": pid, "started": time.time(), "heartbeat": time.time()}
     store.write_json(store.path("exp", "_lock.json"), fresh)
-    with caplog.at_level("WARNING", logger="rlhf.lock"), RunLock(store, "exp", stale_after=120) as lock:
+    with caplog.at_level("WARNING", logger="rlhf.pipeline.lock"), RunLock(store, "exp", stale_after=120) as lock:
         assert store.read_json(store.path("exp", "_lock.json"))["owner"] == lock.owner
     assert f"its process {pid} on this host is gone" in caplog.text
     # a live process on this host (this one), or any process on another host, still holds its lock

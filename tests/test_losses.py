@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf.losses import dpo_loss
+from rlhf.maths.losses import dpo_loss
 
 T = torch.tensor
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.config import ModelConfig, TinyModelConfig
-from rlhf.engine import HFEngine, SamplingParams
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.config import ModelConfig, TinyModelConfig
+from rlhf.engines.engine import HFEngine, SamplingParams
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 
 
 def greedy(model, tok, prompts, max_new_tokens):

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from conftest import REPO, run_cli
-from rlhf.config import StorageConfig
-from rlhf.store import ArtifactStore
+from rlhf.core.config import StorageConfig
+from rlhf.core.store import ArtifactStore
 
 STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
 PREFECT = str(Path(sys.executable).parent / "prefect")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from conftest import only
-from rlhf.loader import ConfigError
-from rlhf.pairs import PAIRS_SCHEMA, build_pairs
-from rlhf.preflight import predicted_keys
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
+from rlhf.core.loader import ConfigError
+from rlhf.data.pairs import PAIRS_SCHEMA, build_pairs
+from rlhf.pipeline.preflight import predicted_keys
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
 from stages.reward_model import accuracy_by_length
 
 PAIR_STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo")
@@ -48,7 +48,7 @@ def test_stage_writes_judged_pairs_that_downstream_stages_train_on(tiny_cfg):
     assert prefs["rows"]["samples"] == (n_prompts + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt
     for r in rows:
         assert r["chosen_score"] > r["rejected_score"] and r["chosen_index"] != r["rejected_index"]
-        assert r["policy_key"] == sft["key"] and r["judge"] == "function:rlhf.rewards:low_vocab_share"
+        assert r["policy_key"] == sft["key"] and r["judge"] == "function:rlhf.train.rewards:low_vocab_share"
         assert r["prompt"][0]["role"] == "user" and r["chosen"][0]["role"] == "assistant"
         assert r["pair_id"] == f"{r['prompt_id']}:{r['chosen_index']}:{r['rejected_index']}"
     assert prefs["inputs"] == {"sft": sft["key"]}
@@ -100,8 +100,8 @@ def test_all_pairs_capped_per_prompt_by_hand():
     """Scores [1, 0, 1, 0.5] give five pairs in all_pairs order; a cap of 2 keeps (0, 1) and (0, 3)."""
     from types import SimpleNamespace
 
-    from rlhf.config import PreferencesConfig
-    from rlhf.tasks import Problem
+    from rlhf.core.config import PreferencesConfig
+    from rlhf.data.tasks import Problem
     from stages.preferences import pair_rows
 
     problem = Problem("train-0", "1 + 1 =", "2", {})

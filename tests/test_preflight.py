@@ -8,14 +8,14 @@ import json
 import pytest
 
 from conftest import CONFIG, only, run_cli
-from rlhf import progress
-from rlhf.config import ModelConfig
-from rlhf.loader import load_config
-from rlhf.memory import Shape, activation_bytes, model_shape, stage_estimates, trained_model_bytes
-from rlhf.preflight import outlook, predicted_keys, risky_settings
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
-from rlhf.training import CRASH_ENV, InjectedCrash
+from rlhf.core import progress
+from rlhf.core.config import ModelConfig
+from rlhf.core.loader import load_config
+from rlhf.pipeline.memory import Shape, activation_bytes, model_shape, stage_estimates, trained_model_bytes
+from rlhf.pipeline.preflight import outlook, predicted_keys, risky_settings
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
+from rlhf.train.training import CRASH_ENV, InjectedCrash
 
 # h 8, 1 layer, 2 heads (head dim 4), 1 kv head -> kv_dim 4, MLP 16, vocab 10, tied embeddings.
 SMALL = Shape(hidden=8, layers=1, heads=2, kv_heads=1, intermediate=16, vocab=10, tied=True)

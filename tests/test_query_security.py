@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, run_cli
-from rlhf.config import StorageConfig
-from rlhf.results import SCHEMAS, QueryRefused, connect, query
-from rlhf.store import ArtifactStore
+from rlhf.core.config import StorageConfig
+from rlhf.ops.results import SCHEMAS, QueryRefused, connect, query
+from rlhf.core.store import ArtifactStore
 
 EVIL_RUN = "x']);COPY (SELECT 'injected' AS a) TO 'inj.csv';--"
 ATTACKS = [

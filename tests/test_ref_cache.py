@@ -11,14 +11,14 @@ from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-import rlhf.logprobs
-from rlhf.config import ModelConfig
-from rlhf.logprobs import pair_logps, tokenize_pair
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+import rlhf.engines.logprobs
+from rlhf.core.config import ModelConfig
+from rlhf.engines.logprobs import pair_logps, tokenize_pair
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from conftest import only
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
-from stages.ref_logprobs import REF_LOGPS_SCHEMA, BadPairs
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
+from rlhf.train.refcache import REF_LOGPS_SCHEMA, BadPairs
 
 CONV = [
     {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
@@ -72,13 +72,13 @@ def test_batching_and_padding_do_not_change_the_numbers(tiny):
 
 def count_forward_passes(monkeypatch) -> list[int]:
     calls = [0]
-    real = rlhf.logprobs.completion_logps
+    real = rlhf.engines.logprobs.completion_logps
 
     def counting(*a, **kw):
         calls[0] += 1
         return real(*a, **kw)
 
-    monkeypatch.setattr(rlhf.logprobs, "completion_logps", counting)
+    monkeypatch.setattr(rlhf.engines.logprobs, "completion_logps", counting)
     return calls
 
 

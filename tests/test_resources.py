@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from rlhf.resources import PeakRSS
+from rlhf.core.resources import PeakRSS
 
 
 def test_peak_counts_this_process_and_children_and_forgets_earlier_peaks():

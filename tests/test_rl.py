@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from conftest import only
-from rlhf.loader import ConfigError
-from rlhf.models import load_causal_lm
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
-from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
-from stages.rl import EXPERIENCE_SCHEMA, RLGuardError
+from rlhf.core.loader import ConfigError
+from rlhf.core.models import load_causal_lm
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
+from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+from rlhf.train.rl_loop import EXPERIENCE_SCHEMA, RLGuardError
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns is imported by 'module:function'
 
@@ -117,9 +117,9 @@ def test_rollout_stage_writes_scored_samples(tiny_cfg):
 
 
 def test_sampling_is_reproducible_by_seed():
-    from rlhf.config import ModelConfig
-    from rlhf.engine import HFEngine, SamplingParams
-    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.core.config import ModelConfig
+    from rlhf.engines.engine import HFEngine, SamplingParams
+    from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 
     path = resolve_model(ModelConfig(name="tiny"))
     engine = HFEngine(load_causal_lm(path, ModelConfig(name="tiny")), load_tokenizer(path), batch_size=3)
@@ -172,10 +172,10 @@ def test_gradient_accumulation_gives_the_same_gradient():
     gradient (each micro-batch's token-mean loss weighted by its share of the minibatch's tokens)."""
     import torch
 
-    from rlhf.config import GRPOConfig, ModelConfig
-    from rlhf.engine import Generation
-    from rlhf.models import load_causal_lm, resolve_model
-    from stages.rl import ALGORITHMS, build_batch, score_all, update
+    from rlhf.core.config import GRPOConfig, ModelConfig
+    from rlhf.engines.engine import Generation
+    from rlhf.core.models import load_causal_lm, resolve_model
+    from rlhf.train.rl_loop import ALGORITHMS, build_batch, score_all, update
 
     g = torch.Generator().manual_seed(0)
     lengths = [1, 3, 5, 2, 8, 4, 6, 7]
@@ -205,7 +205,7 @@ def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_
     reference in bfloat16, forward passes under bf16 autocast (CPU autocast here, CUDA on GPUs)."""
     import torch
 
-    import stages.rl as rl
+    import rlhf.train.rl_loop as rl
 
     loaded = []
 
@@ -234,8 +234,8 @@ def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_
 def test_logp_mismatch_by_hand_and_vllm_limits_are_refused(tiny_cfg):
     import torch
 
-    from rlhf.loader import ConfigError
-    from stages.rl import Batch, logp_mismatch
+    from rlhf.core.loader import ConfigError
+    from rlhf.train.rl_loop import Batch, logp_mismatch
 
     # |(-1.0) - (-1.1)| = 0.1, |(-2.0) - (-2.0)| = 0, |(-0.5) - (-0.2)| = 0.3; the padded 4th token is ignored
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
@@ -252,10 +252,10 @@ def test_policy_scoring_projects_only_response_positions():
     equal slicing full logits, with left-padded prompts and right-padded responses of mixed lengths."""
     import torch
 
-    from rlhf.config import ModelConfig
-    from rlhf.engine import Generation
-    from rlhf.models import resolve_model
-    from stages.rl import build_batch, forward
+    from rlhf.core.config import ModelConfig
+    from rlhf.engines.engine import Generation
+    from rlhf.core.models import resolve_model
+    from rlhf.train.rl_loop import build_batch, forward
 
     g = torch.Generator().manual_seed(0)
     gens = [Generation(i, 0, torch.randint(5, 1000, (n,), generator=g).tolist(), [-1.0] * n, "", "length")

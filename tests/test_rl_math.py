@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlhf.rl_math import (
+from rlhf.maths.rl_math import (
     adaptive_kl_beta,
     clipped_surrogate,
     clipped_value_loss,
@@ -167,7 +167,7 @@ def test_informative_groups_by_hand():
 def test_whiten_by_hand():
     """x = [1, 2, 3, (100 masked)]: mean 2, population variance 2/3, so [-1.2247, 0, 1.2247, 0]."""
     x, mask = torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    from rlhf.rl_math import whiten
+    from rlhf.maths.rl_math import whiten
 
     w = whiten(x, mask)
     assert torch.allclose(w, torch.tensor([[-1.2247449, 0.0, 1.2247449, 0.0]]), atol=1e-5)

@@ -10,9 +10,9 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import only
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
-from rlhf.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
+from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
 
 
 def metric_series(cfg, stage: str, name: str) -> list[tuple[int, float]]:
@@ -34,7 +34,7 @@ def test_sft_loss_goes_down_and_outputs_are_complete(tiny_cfg):
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
     assert not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)
     assert not store.fs.exists(store.stage_path("tiny", "sft", "checkpoints"))  # dropped once complete
-    from rlhf.models import home
+    from rlhf.core.models import home
 
     assert not (home() / "work" / "tiny" / f"sft-{m['key'][:16]}").exists()  # local scratch too
     for key in ("key", "code_version", "packages", "seed", "rows", "timings", "inputs"):
@@ -122,8 +122,8 @@ def test_sft_trainer_projects_only_completion_tokens_with_the_same_loss(tmp_path
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from rlhf.config import ModelConfig
-    from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
+    from rlhf.core.config import ModelConfig
+    from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
     from stages.sft import CompletionScoredSFTTrainer
 
     path = resolve_model(ModelConfig(name="tiny"))

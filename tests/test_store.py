@@ -10,8 +10,8 @@ import time
 import pyarrow as pa
 import pytest
 
-from rlhf.config import StorageConfig
-from rlhf.store import ArtifactMissing, ArtifactStore, SchemaMismatch
+from rlhf.core.config import StorageConfig
+from rlhf.core.store import ArtifactMissing, ArtifactStore, SchemaMismatch
 
 SCHEMA = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("text", pa.string())])
 
@@ -77,8 +77,8 @@ def test_writer_killed_between_data_and_manifest_leaves_an_absent_stage(storage_
         f"""
         import os, signal
         import pyarrow as pa
-        from rlhf.config import StorageConfig
-        from rlhf.store import ArtifactStore
+        from rlhf.core.config import StorageConfig
+        from rlhf.core.store import ArtifactStore
         store = ArtifactStore(StorageConfig(url={storage_url!r}))
         schema = pa.schema([pa.field("id", pa.int64())])
         store.write_table(store.stage_path("r", "sft", "data.parquet"), pa.table({{"id": [1, 2]}}, schema=schema), schema)
@@ -98,7 +98,7 @@ def test_writer_killed_between_data_and_manifest_leaves_an_absent_stage(storage_
 def test_local_manifest_write_is_atomic(tmp_path, monkeypatch):
     """A write that dies before its rename (a killed worker) leaves the previous manifest whole, and a
     stage that had none still has none: a reader never sees a half-written manifest."""
-    import rlhf.store
+    import rlhf.core.store
 
     store = ArtifactStore(StorageConfig(url=str(tmp_path), attempts=1))
     store.write_manifest("r", "sft", {"key": "a"})
@@ -107,7 +107,7 @@ def test_local_manifest_write_is_atomic(tmp_path, monkeypatch):
     def killed(src, dst):
         raise OSError("killed before the rename")
 
-    monkeypatch.setattr(rlhf.store.os, "replace", killed)
+    monkeypatch.setattr(rlhf.core.store.os, "replace", killed)
     with pytest.raises(Exception, match="killed before the rename"):
         store.write_manifest("r", "sft", {"key": "b" * 10_000})
     with pytest.raises(Exception, match="killed before the rename"):
@@ -129,8 +129,8 @@ def test_storage_outage_mid_stage_fails_bounded_then_rerun_resumes(tiny_cfg, tmp
     import threading
 
     from conftest import only, start_weed, stop_weed, weed_ports
-    from rlhf.runner import execute_stage
-    from rlhf.store import StorageError
+    from rlhf.pipeline.runner import execute_stage
+    from rlhf.core.store import StorageError
 
     ports = weed_ports()
     (tmp_path / "weed").mkdir()

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from rlhf.config import DataConfig
-from rlhf.tasks import Task, last_number, wrong_answer
+from rlhf.core.config import DataConfig
+from rlhf.data.tasks import Task, last_number, wrong_answer
 
 
 def test_deterministic_by_seed_and_changes_with_seed():
@@ -68,7 +68,7 @@ def test_rl_prompts_are_a_fresh_disjoint_draw():
 
 
 def test_worked_solutions_by_hand_and_verified_for_every_problem():
-    from rlhf.tasks import Problem, split_step, worked_solution
+    from rlhf.data.tasks import Problem, split_step, worked_solution
 
     assert split_step(98, "+", 93) == ("98 + 93 = 98 + 90 + 3 = 188 + 3 = 191", 191)
     assert split_step(15, "-", 43) == ("15 - 43 = 15 - 40 - 3 = -25 - 3 = -28", -28)

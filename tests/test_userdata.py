@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf.userdata import DataError, load_rows
+from rlhf.data.userdata import DataError, load_rows
 
 
 def write_jsonl(path, rows):

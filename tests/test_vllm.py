@@ -19,16 +19,16 @@ import torch
 from conftest import CONFIG, REPO, only
 from safetensors.torch import load_file, save_file
 
-from rlhf.config import DataConfig, ModelConfig
-from rlhf.engine import HFEngine, SamplingParams
-from rlhf.loader import load_config
-from rlhf.logprobs import sequence_logps
-from rlhf.models import load_causal_lm, load_tokenizer, resolve_model
-from rlhf.runner import execute_stage
-from rlhf.store import ArtifactStore
-from rlhf.tasks import Task, user
-from rlhf.training import METRICS_SCHEMA
-from rlhf.vllm_engine import VLLMEngine, WeightSyncError
+from rlhf.core.config import DataConfig, ModelConfig
+from rlhf.engines.engine import HFEngine, SamplingParams
+from rlhf.core.loader import load_config
+from rlhf.engines.logprobs import sequence_logps
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.pipeline.runner import execute_stage
+from rlhf.core.store import ArtifactStore
+from rlhf.data.tasks import Task, user
+from rlhf.train.training import METRICS_SCHEMA
+from rlhf.engines.vllm_engine import VLLMEngine, WeightSyncError
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns
 pytestmark = pytest.mark.slow

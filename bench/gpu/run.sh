@@ -3,7 +3,7 @@
 #   here, once:   bash bench/gpu/fetch_wheels.sh      (bitsandbytes and pydantic wheels into .whl/, ~46 MB)
 #   device tool:  run(command="bash bench/gpu/run.sh", carry=[".whl"], timeout_s=540)
 # The device image has torch, transformers, accelerate and peft but not bitsandbytes (8-bit AdamW) or
-# pydantic (rlhf/config.py, for the estimator's prediction): they travel as wheels.
+# pydantic (rlhf/core/config.py, for the estimator's prediction): they travel as wheels.
 # Output: the table on stdout and gpu_steps.json / gpu_steps.md in $OUT (or bench/gpu/ elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,13 +1,13 @@
 """Peak memory, step time, tokens/s and MFU of one optimizer step of each objective (SFT, reward model,
 DPO from cached reference log-probs, GRPO with G=4, PPO), on a random-init model of a given shape, next
-to rlhf/memory.py's prediction for the same settings.
+to rlhf/pipeline/memory.py's prediction for the same settings.
 
 Weights do not matter for memory or speed, so the model is built from a config (no download): the
 Qwen2.5-1.5B shape on the GPU, a tiny one on CPU (which only checks that the script runs; CPU has no
 max_memory_allocated). Settings as the estimator's test table (tests/test_preflight.py): mixed precision
 (float32 master weights, bf16 autocast), gradient checkpointing, 8-bit AdamW (bitsandbytes; plain AdamW
 if it is missing, and the prediction follows), 512-token sequences. The losses are the project's own
-(rlhf/losses.py, rlhf/rl_math.py); the step is forward + backward + optimizer step, and for the RL
+(rlhf/maths/losses.py, rlhf/maths/rl_math.py); the step is forward + backward + optimizer step, and for the RL
 algorithms the no-grad scoring passes (old policy, reference, critic, reward model) that precede the
 update. Generation is not timed here (the rollout engine has its own benchmark).
 MFU counts model FLOPs only: 6 x params x tokens for a trained pass, 2 x params x tokens for a scoring
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from rlhf import rl_math  # noqa: E402
-from rlhf.losses import dpo_loss  # noqa: E402
+from rlhf.maths import rl_math  # noqa: E402
+from rlhf.maths.losses import dpo_loss  # noqa: E402
 
 SHAPES = {
     "qwen2.5-1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
@@ -41,7 +41,7 @@ SHAPES = {
 }
 PEAK_FLOPS = {"cuda": 989e12}  # H100/H200 SXM dense bf16 (NVIDIA datasheet); CPU: no MFU
 SEQ = 512
-RL_PROMPT = 96  # rlhf/memory.py RL_PROMPT_TOKENS: RL sequences are 96 prompt + 416 response tokens
+RL_PROMPT = 96  # rlhf/pipeline/memory.py RL_PROMPT_TOKENS: RL sequences are 96 prompt + 416 response tokens
 BATCH = {"sft": 8, "reward_model": 4, "dpo": 4, "grpo": 8, "ppo": 8}  # sequences / pairs / rollouts per step
 
 
@@ -75,7 +75,7 @@ class Models:
         return model
 
     def params(self) -> int:
-        from rlhf.memory import _from_config
+        from rlhf.pipeline.memory import _from_config
 
         return _from_config(self.shape).params()
 
@@ -182,9 +182,9 @@ def objectives(m: Models, device: str, autocast):
 
 
 def predictions(shape: dict, attn: str, optim: str) -> dict[str, float]:
-    """rlhf/memory.py's totals (GiB) for the same settings, through the same config path as `rlhf validate`."""
-    from rlhf.loader import load_config
-    from rlhf.memory import stage_estimates
+    """rlhf/pipeline/memory.py's totals (GiB) for the same settings, through the same config path as `rlhf validate`."""
+    from rlhf.core.loader import load_config
+    from rlhf.pipeline.memory import stage_estimates
 
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(json.dumps(shape))

@@ -1,0 +1,620 @@
+"""Typed, frozen configuration for every stage, loaded from pipeline.yaml.
+
+One model per stage; unknown keys are errors (extra="forbid"); enums are Literal types; cross-field
+checks run at load time and name the key path. Defaults follow the papers cited beside each field.
+Nothing here imports torch or loads a model: `rlhf validate` must answer in about a second.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class ConfigError(Exception):
+    """Bad configuration; `problems` are 'key.path: what is wrong' lines. The CLI exits 2 on it."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid configuration\n" + "\n".join(f"  {p}" for p in problems))
+
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # used with fullmatch: no trailing newline slips by
+
+
+def check_name(kind: str, value: str) -> str:
+    """Run and stage names become storage path segments: refuse traversal and odd characters."""
+    if not isinstance(value, str) or not SAFE_NAME.fullmatch(value) or ".." in value:
+        raise ValueError(
+            f"invalid {kind} name {value!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, and no '..'"
+        )
+    return value
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # no .inf / .nan anywhere
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v, info):
+        # pydantic's lax mode reads `true` as 1 for an int field: `per_device_batch_size: true` would train
+        # with batch 1. YAML booleans are only accepted where the field itself is a boolean.
+        if isinstance(v, bool):
+            annotation = cls.model_fields[info.field_name].annotation
+            if annotation in (int, float) or {int, float} & set(typing.get_args(annotation)) and bool not in typing.get_args(annotation):
+                raise ValueError(f"must be a number, got {str(v).lower()}")
+        return v
+
+
+class RunConfig(Strict):
+    name: str = "default"  # artifacts go to <storage.url>/<name>/<stage>/; one live run per name
+    seed: int = Field(0, ge=0, lt=2**32)  # training seed (Trainer seed, RL sampling)
+    work_pool: str = "cpu"  # where the orchestrating `rlhf/full` flow run itself goes (it only waits)
+    stage_work_pool: str = "gpu"  # where every stage runs unless its own work_pool says otherwise
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, v: str) -> str:
+        return check_name("run", v)
+
+
+class TinyModelConfig(Strict):
+    """A random-init Llama with the default tokenizer: same code paths as the real model, in seconds."""
+
+    hidden_size: int = Field(64, ge=8)  # width of the random-init test model
+    num_layers: int = Field(2, ge=1)  # decoder layers
+    num_heads: int = Field(4, ge=1)  # attention heads (must divide hidden_size)
+    num_kv_heads: int = Field(2, ge=1)  # key/value heads, grouped-query attention
+    intermediate_size: int = Field(128, ge=8)  # MLP width
+    init_seed: int = Field(0, ge=0, lt=2**32)  # seed of the random initialisation
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size: must be divisible by num_heads ({self.num_heads}), got {self.hidden_size}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads: must be divisible by num_kv_heads ({self.num_kv_heads}), got {self.num_heads}")
+        return self
+
+
+class ModelConfig(Strict):
+    # "smollm2-135m-instruct" (embedded, offline), "tiny" (random init), a Hugging Face id or a local path.
+    name: str = "smollm2-135m-instruct"
+    # weights and compute dtype; bfloat16/float16 need a GPU
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"  # transformers attention kernel
+    # Mixed precision (Micikevicius et al. 2018): trained weights, gradients and AdamW states in float32,
+    # compute in `dtype` (autocast); frozen models (reference, reward model) and LoRA bases stay in `dtype`.
+    mixed_precision: bool = False
+    tiny: TinyModelConfig = TinyModelConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _nonempty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _mixed(self) -> ModelConfig:
+        if self.mixed_precision and self.dtype == "float32":
+            raise ValueError("mixed_precision: needs a 16-bit compute dtype (bfloat16 or float16), got dtype float32")
+        return self
+
+
+class DataConfig(Strict):
+    # reasoning_gym:<dataset name>; generator parameters pass through unchanged to reasoning-gym.
+    task: str = "reasoning_gym:chain_sum"
+    # the reasoning-gym generator's parameters
+    task_params: dict[str, int | float | bool | str] = Field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    )
+    seed: int = Field(0, ge=0, lt=2**31)  # seed of the generated problems and of KTO's example order
+    train_size: int = Field(1000, ge=1, le=10_000_000)  # training problems (SFT demonstrations, preference pairs, RL prompts)
+    eval_size: int = Field(100, ge=1, le=10_000_000)  # held-out problems, never trained on
+    # RL prompts: 0 uses the training problems (whose gold answers SFT has seen); N > 0 draws up to N fresh
+    # problems, disjoint from train and eval, as InstructGPT keeps separate SFT and PPO prompt sets
+    rl_size: int = Field(0, ge=0, le=1_000_000)
+    # User data in TRL's standard formats (JSONL, Parquet or a Hugging Face dataset name).
+    # When set, it replaces the task's generated data for that use.
+    sft_path: str | None = None
+    prefs_path: str | None = None  # preference pairs {prompt, chosen, rejected} or {chosen, rejected}
+    # KTO's unpaired examples {prompt, completion, label}; when unset, KTO unpairs the preference pairs
+    unpaired_path: str | None = None
+    # fail: stop at the first bad row, naming it; drop: skip bad rows and count them
+    on_bad_row: Literal["fail", "drop"] = "fail"
+    # SFT demonstrations: the bare answer (direct), or a worked solution that splits each step into tens
+    # and units before the answer (worked; chain_sum only): room to reason before the answer
+    answer_format: Literal["direct", "worked"] = "direct"
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if not re.fullmatch(r"reasoning_gym:[a-z0-9_]+", v):
+            raise ValueError("must look like 'reasoning_gym:<name>', e.g. 'reasoning_gym:chain_sum'")
+        return v
+
+    @model_validator(mode="after")
+    def _format(self) -> DataConfig:
+        if self.answer_format == "worked" and self.task != "reasoning_gym:chain_sum":
+            raise ValueError(f"answer_format: 'worked' solutions exist for reasoning_gym:chain_sum only, got task {self.task!r}")
+        return self
+
+
+class StorageConfig(Strict):
+    # A local folder (relative paths are resolved against pipeline.yaml's folder) or s3://bucket/prefix.
+    # S3 credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), never from here.
+    url: str = "data/artifacts"
+    endpoint_url: str | None = None  # S3-compatible endpoint (SeaweedFS, MinIO); else AWS_ENDPOINT_URL
+    region: str = "us-west-1"  # S3 region
+    # Transient storage errors (connection refused/reset, timeouts) are retried with exponential
+    # backoff this many times in total, then the operation fails naming the URL.
+    attempts: int = Field(4, ge=1, le=100)
+    backoff_seconds: float = Field(0.5, ge=0.0, le=3600.0)  # first retry delay; doubles each attempt
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        # Refused rather than redacted: a secret in the config would reach manifests, eval's `run` table,
+        # logs and Prefect's flow parameters. The value is not echoed back.
+        if v is None:
+            return v
+        m = re.fullmatch(r"(https?)://([^/?#\s]+)(/[^\s]*)?", v)
+        if not m:
+            raise ValueError("must look like http(s)://host[:port]")
+        if "@" in m.group(2):
+            raise ValueError("carries credentials (user:password@); give them as AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY in the environment instead")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("is empty; give a local folder or s3://bucket/prefix")
+        if re.match(r"[A-Za-z0-9+.-]+://[^/]*@", v):
+            raise ValueError("carries credentials; give them through the environment (AWS_*) instead")
+        scheme = v.split("://", 1)[0] if "://" in v else "file"
+        if scheme not in ("file", "s3"):
+            raise ValueError(f"scheme {scheme!r} is not supported; use a local path, file:// or s3://")
+        if scheme == "s3" and not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", v):
+            raise ValueError("must look like s3://bucket/optional/prefix with a valid bucket name")
+        return v
+
+
+JobVariables = dict[str, str | int | float | bool | list | dict | None]
+
+
+class Placement(Strict):
+    """Where a stage runs: a Prefect work pool and job variables for it (e.g. image and GPU requests of
+    a Kubernetes pool). Neither changes a stage's outputs, so neither is part of its content key."""
+
+    enabled: bool = True  # run this stage in the pipeline
+    work_pool: str | None = None  # Prefect work pool the stage runs on under `rlhf up` / `rlhf/full`; null: run.stage_work_pool
+    # the pool's job variables, e.g. {image: ..., gpu: 1} for Kubernetes
+    job_variables: JobVariables = Field(default_factory=dict)
+
+
+class LoraConfig(Strict):
+    enabled: bool = False  # train LoRA adapters (Hu et al. 2021) instead of all weights; merged when published
+    r: int = Field(16, ge=1)  # adapter rank
+    alpha: int = Field(32, ge=1)  # adapter scale numerator (scale = alpha / r)
+    dropout: float = Field(0.05, ge=0.0, lt=1.0)  # dropout on the adapter input
+    target_modules: str | list[str] = "all-linear"  # 'all-linear' or module names
+
+
+class LaunchConfig(Strict):
+    """Processes of one stage on one node (torchrun). The world size changes the global batch
+    (per_device_batch_size x processes x gradient_accumulation_steps), so it is part of the content key."""
+
+    processes: int = Field(1, ge=1)  # data-parallel processes; gloo on CPU, nccl on GPUs
+    # ddp: replicated weights; fsdp: fully sharded (GPUs); deepspeed_zero3: DeepSpeed ZeRO-3 (GPUs, deepspeed installed)
+    strategy: Literal["ddp", "fsdp", "deepspeed_zero3"] = "ddp"
+
+
+class TrainerOptions(Placement):
+    """Options shared by the Trainer-based stages (SFT, reward model, DPO)."""
+
+    learning_rate: float = Field(2e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    num_epochs: float = Field(1.0, gt=0.0, le=10_000.0)  # passes over the training rows (when max_steps is -1)
+    max_steps: int = Field(-1, ge=-1, le=100_000_000)  # -1: derived from num_epochs
+    per_device_batch_size: int = Field(8, ge=1)  # rows per forward pass per device
+    gradient_accumulation_steps: int = Field(1, ge=1)  # forward passes per optimizer step
+    max_length: int = Field(256, ge=8)  # prompt + completion tokens; longer rows are reported (fail/drop)
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"  # adamw_bnb_8bit: 8-bit AdamW states (bitsandbytes)
+    # learning-rate schedule after warmup
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)  # share of the steps with linear warmup
+    weight_decay: float = Field(0.0, ge=0.0)  # AdamW decoupled weight decay
+    max_grad_norm: float = Field(1.0, gt=0.0)  # gradient clipping by global norm
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% slower
+    save_steps: int = Field(50, ge=1)  # checkpoint (mirrored to the store) every N optimizer steps
+    logging_steps: int = Field(5, ge=1)  # metrics row and progress line every N steps
+    lora: LoraConfig = LoraConfig()
+    launch: LaunchConfig = LaunchConfig()  # several processes for this stage (rlhf/pipeline/launch.py)
+
+    @model_validator(mode="after")
+    def _steps(self) -> TrainerOptions:
+        if self.max_steps == 0:
+            raise ValueError("max_steps: must be -1 (use num_epochs) or >= 1, got 0")
+        return self
+
+
+class SFTConfig(TrainerOptions):
+    learning_rate: float = Field(5e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    completion_only_loss: bool = True  # loss on completion tokens only (InstructGPT, Ouyang et al. 2022)
+    # Held-out greedy accuracy of the base and the trained policy, measured at the end of the stage.
+    eval_prompts: int = Field(64, ge=0)
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+
+
+class RewardModelConfig(TrainerOptions):
+    learning_rate: float = Field(1e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    init_from: Literal["sft", "base"] = "sft"  # backbone: the SFT model or the base model; a scalar head is added
+    # Held-out share of the preference pairs for pairwise accuracy.
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
+    # Bradley-Terry with margin (Llama 2, Touvron et al. 2023, eq. 2) when pairs carry a `margin` column.
+    use_margin: bool = False
+    # Auxiliary loss pushing rewards toward zero mean (Eisenstein et al. 2023); 0 disables it.
+    center_rewards_coefficient: float = Field(0.0, ge=0.0)
+
+
+class RefLogprobsConfig(Placement):
+    enabled: bool = False  # compute the reference log-prob cache (DPO needs it)
+    batch_size: int = Field(16, ge=1)  # pairs per reference forward pass
+    # Prompt + completion tokens, as DPO's collator truncates them: null follows dpo.max_length (the cached
+    # numbers must see DPO's truncation); a value must equal it.
+    max_length: int | None = Field(None, ge=8)
+    per_token: bool = False  # also keep per-token log-probs (list columns)
+
+
+class VLLMOptions(Strict):
+    """The vLLM engine (rollout.engine: vllm), run from its own virtualenv (./setup-vllm.sh)."""
+
+    python: str | None = None  # that environment's interpreter; default RLHF_VLLM_PYTHON, else .venv-vllm/bin/python
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs one engine spans
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)  # share of GPU memory vLLM may take (weights + KV cache)
+    max_model_len: int = Field(1024, ge=16)  # prompt + response tokens per sequence
+    # no torch.compile / CUDA graphs: starts in seconds instead of minutes (CPU: about 90 s of compiling)
+    enforce_eager: bool = False
+    # RL weight sync check: max |log-prob difference| on a probe sequence between engine and trainer.
+    # float32 on CPU measured 1e-6; 16-bit dtypes round differently in each engine: loosen it there.
+    sync_tolerance: float = Field(1e-3, gt=0.0)
+
+
+class RolloutConfig(Placement):
+    """Sampling for the rollout stage and for the RL stages' experience generation."""
+
+    enabled: bool = False  # run the rollout stage (the RL stages sample with these settings either way)
+    policy: Literal["base", "sft", "dpo", "kto", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
+    split: Literal["train", "eval"] = "eval"  # which prompts the rollout stage answers
+    prompts: int = Field(64, ge=1)  # prompts the rollout stage answers
+    seed: int = Field(0, ge=0, lt=2**32)  # sampling seed: the same params and seed give the same samples
+    engine: Literal["hf", "vllm"] = "hf"  # hf: transformers generate in this process; vllm: see rollout.vllm
+    vllm: VLLMOptions = VLLMOptions()
+    temperature: float = Field(1.0, ge=0.0)  # sampling temperature; 0 is greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
+    max_new_tokens: int = Field(32, ge=1)  # response budget in tokens
+    n: int = Field(1, ge=1)  # samples per prompt in the rollout stage
+    batch_size: int = Field(16, ge=1)  # prompts per generate call
+
+
+class PreferencesConfig(Placement):
+    """On-policy preference pairs: K sampled answers per prompt from the policy, judged, best vs worst.
+
+    The reward model, the reference cache / DPO and KTO train on these pairs when this stage is enabled
+    (and data.prefs_path is unset), as in InstructGPT (comparisons of the policy's own samples) and
+    RLHFlow's iterative DPO. Held-out prompts give `eval_pairs`, on which the reward model is scored.
+    """
+
+    enabled: bool = False  # build pairs from the policy's own samples (else: data.prefs_path or the task's pairs)
+    policy: Literal["base", "sft"] = "sft"  # whose samples are judged
+    samples_per_prompt: int = Field(4, ge=2)  # K answers per prompt
+    prompts: int | None = Field(None, ge=1)  # training prompts to sample (None: all of data.train_size)
+    eval_prompts: int = Field(64, ge=0)  # held-out prompts whose pairs score the reward model (at most data.eval_size)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)  # sampling temperature (K > 1 needs diversity)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
+    max_new_tokens: int = Field(16, ge=1, le=4096)  # answer budget in tokens
+    batch_size: int = Field(32, ge=1)  # prompts per generate call
+    seed: int = Field(0, ge=0, lt=2**32)  # sampling seed
+    # verifier: the task's check; function: `reward_function` ('module:function', TRL's signature);
+    # reward_model: a sequence-classification model at `reward_model_path` (a local folder or hub id)
+    judge: Literal["verifier", "function", "reward_model"] = "verifier"
+    reward_function: str | None = None  # 'module:function' when judge is 'function'
+    reward_model_path: str | None = None  # a reward model folder or hub id when judge is 'reward_model'
+    # best_worst: one pair per prompt, the highest- vs the lowest-scored answer; all_pairs: every two
+    # answers with different scores. Equal scores are ties: dropped and counted.
+    pairing: Literal["best_worst", "all_pairs"] = "best_worst"
+    # all_pairs: at most this many pairs per prompt (the first in sample order; None: every pair). More
+    # distinct wrong answers per prompt teach the reward model more than one best-vs-worst pair does.
+    max_pairs_per_prompt: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _judge(self) -> PreferencesConfig:
+        if (self.judge == "function") != (self.reward_function is not None):
+            raise ValueError("reward_function: set it exactly when judge is 'function' ('module:function')")
+        if (self.judge == "reward_model") != (self.reward_model_path is not None):
+            raise ValueError("reward_model_path: set it exactly when judge is 'reward_model'")
+        if self.max_pairs_per_prompt is not None and self.pairing != "all_pairs":
+            raise ValueError("max_pairs_per_prompt: caps pairing 'all_pairs' (best_worst gives one pair per prompt)")
+        return self
+
+
+class DPOConfig(TrainerOptions):
+    enabled: bool = False  # run DPO (needs ref_logprobs)
+    learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    # sigmoid: DPO; ipo: Azar et al. 2023; robust: rDPO, Chowdhury et al. 2024
+    loss_type: Literal["sigmoid", "ipo", "robust"] = "sigmoid"
+    beta: float = Field(0.1, gt=0.0)  # Rafailov et al. 2023 use 0.1
+    # Preference-flip rate for loss_type 'robust' (rDPO, Chowdhury et al. 2024). TRL 1.16's 'sigmoid'
+    # ignores label smoothing, so accepting it there would silently do nothing.
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    # alpha of an NLL term on the chosen answer, added to the preference loss: RPO (Pang et al. 2024,
+    # "Iterative Reasoning Preference Optimization", eq. 3), which found DPO alone lowering the chosen
+    # answers' likelihood on math; TRL's 'sft' loss with this weight. 0: plain DPO
+    nll_weight: float = Field(0.0, ge=0.0, le=100.0)
+    eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+
+    @model_validator(mode="after")
+    def _smoothing(self) -> DPOConfig:
+        if self.label_smoothing > 0 and self.loss_type != "robust":
+            raise ValueError(
+                f"label_smoothing: only loss_type 'robust' uses it (TRL 1.16 'sigmoid' ignores it), "
+                f"got {self.label_smoothing} with {self.loss_type!r}"
+            )
+        return self
+
+
+class KTOConfig(TrainerOptions):
+    """KTO (Ethayarajh et al. 2024) on unpaired desirable/undesirable completions, TRL KTOTrainer."""
+
+    enabled: bool = False  # run KTO
+    learning_rate: float = Field(5e-7, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
+    loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"  # apo_zero_unpaired: D'Oosterlinck et al. 2024
+    beta: float = Field(0.1, gt=0.0)  # deviation from the reference; higher stays closer
+    # Eq. 8 of the paper: weight desirable vs undesirable losses when the classes are imbalanced
+    desirable_weight: float = Field(1.0, gt=0.0)
+    undesirable_weight: float = Field(1.0, gt=0.0)  # weight of the undesirable examples' losses
+    eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+
+    def needs_kl(self) -> bool:
+        return self.loss_type == "kto"
+
+    @field_validator("launch")
+    @classmethod
+    def _one_process(cls, v: LaunchConfig) -> LaunchConfig:
+        # TRL fills KTO's reference columns per rank inside its own preprocessing, which our cache
+        # override replaces; a sharded fill is not written yet.
+        if v.processes > 1:
+            raise ValueError(f"processes: KTO runs in one process in this version, got {v.processes}")
+        return v
+
+    @model_validator(mode="after")
+    def _kl_batch(self) -> KTOConfig:
+        if self.needs_kl() and self.per_device_batch_size < 2:
+            raise ValueError(
+                "per_device_batch_size: KTO estimates its KL term from mismatched pairs inside a batch, "
+                f"so it needs at least 2, got {self.per_device_batch_size}"
+            )
+        return self
+
+
+class RLOptions(Placement):
+    """Batch shape of one RL iteration; shared by PPO and GRPO."""
+
+    enabled: bool = False  # run this RL stage
+    iterations: int = Field(20, ge=1, le=10_000_000)  # rollout -> reward -> update rounds
+    prompts_per_iteration: int = Field(8, ge=1)  # training prompts sampled per iteration
+    epochs: int = Field(1, ge=1)  # K optimisation epochs over each batch of experience
+    minibatch_size: int = Field(8, ge=1)  # rollouts per optimizer step; divides the rollouts per iteration
+    gradient_accumulation_steps: int = Field(1, ge=1)  # micro-batches per minibatch (same gradient, less memory)
+    learning_rate: float = Field(1e-6, gt=0.0, lt=1.0)  # policy learning rate (AdamW; the critic uses it too)
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)  # Schulman et al. 2017, eq. 7
+    dual_clip: float | None = Field(None, gt=1.0)  # Ye et al. 2020: bound for negative advantages
+    # verifier: the task's rule-based check (RLVR); reward_model: the trained RM; sum: verifier + RM;
+    # function: `reward_function` ('module:function', TRL's signature (prompts, completions, **kw)).
+    reward_source: Literal["verifier", "reward_model", "sum", "function"] = "verifier"
+    reward_function: str | None = None  # 'module:function' when reward_source is 'function'
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"  # adamw_bnb_8bit: 8-bit AdamW states (bitsandbytes)
+    max_grad_norm: float = Field(1.0, gt=0.0)  # gradient clipping by global norm
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, slower
+    save_every: int = Field(5, ge=1)  # checkpoint (policy, critic, optimizers, KL controller) every N iterations
+    max_kl: float = Field(10.0, gt=0.0, allow_inf_nan=False)  # hard stop: mean per-sequence KL above this ends the stage
+    # logp_old, the ratio's denominator: recompute it with a forward pass before the update, or take the
+    # sampler's log-probs (saves that pass; exact only for the same weights and numerics, and not with
+    # top_p < 1, which renormalises the sampler's distribution; logp_mismatch_* report the gap)
+    logp_old: Literal["recompute", "rollout"] = "recompute"
+    # LoRA on the policy: the reference is then the same model with its adapters off (no second copy)
+    lora: LoraConfig = LoraConfig()
+    eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
+    eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+    # several processes: rollouts sharded by engine batch, gradients summed across ranks (ddp only)
+    launch: LaunchConfig = LaunchConfig()
+
+    def rollouts_per_iteration(self) -> int:
+        return self.prompts_per_iteration * self.samples_per_prompt()
+
+    def samples_per_prompt(self) -> int:
+        return 1
+
+    @model_validator(mode="after")
+    def _minibatch(self) -> RLOptions:
+        if (self.reward_source == "function") != (self.reward_function is not None):
+            raise ValueError("reward_function: set it exactly when reward_source is 'function' ('module:function')")
+        if self.minibatch_size % self.gradient_accumulation_steps:
+            raise ValueError(f"gradient_accumulation_steps: must divide minibatch_size ({self.minibatch_size}), "
+                             f"got {self.gradient_accumulation_steps}")
+        if self.launch.strategy != "ddp":
+            raise ValueError(f"launch.strategy: the RL loop shards data only ('ddp'), got {self.launch.strategy!r}")
+        if self.minibatch_size % (self.gradient_accumulation_steps * self.launch.processes):
+            raise ValueError(f"launch.processes: each rank needs a micro-batch: gradient_accumulation_steps x processes "
+                             f"({self.gradient_accumulation_steps} x {self.launch.processes}) must divide minibatch_size "
+                             f"({self.minibatch_size})")
+        n = self.rollouts_per_iteration()
+        if n % self.minibatch_size:
+            raise ValueError(
+                f"minibatch_size: must divide the rollouts per iteration ({n} = prompts_per_iteration "
+                f"x samples per prompt), got {self.minibatch_size}"
+            )
+        return self
+
+
+class KLControlConfig(Strict):
+    mode: Literal["fixed", "adaptive"] = "fixed"  # fixed beta, or the adaptive controller toward `target`
+    beta: float = Field(0.05, ge=0.0)  # KL penalty coefficient in r - beta * KL (initial value when adaptive)
+    target: float = Field(6.0, gt=0.0)  # adaptive controller, Ziegler et al. 2019, sec. 2.2
+    horizon: int = Field(10000, ge=1)  # adaptive controller horizon in samples
+
+
+class PPOConfig(RLOptions):
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount per token
+    lam: float = Field(0.95, ge=0.0, le=1.0)  # GAE, Schulman et al. 2016
+    vf_coef: float = Field(0.1, ge=0.0)  # weight of the value loss
+    value_clip: float = Field(0.2, gt=0.0)  # clip range of the value update around the old values
+    entropy_coef: float = Field(0.0, ge=0.0)  # entropy bonus weight
+    # backbone of the critic (value head added): the SFT model or the reward model
+    critic_init: Literal["sft", "reward_model"] = "sft"
+    kl: KLControlConfig = KLControlConfig()
+
+
+class GRPOConfig(RLOptions):
+    group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
+    beta: float = Field(0.04, ge=0.0)  # k3 KL penalty weight in the loss (DeepSeekMath sec. 4.1)
+    clip_eps_high: float | None = Field(None, gt=0.0, lt=1.0)  # DAPO clip-higher (Yu et al. 2025)
+    # drop groups whose G rewards are all equal before scoring and updating: their advantages are 0, so
+    # they cost a full forward/backward for no policy gradient (DAPO's dynamic sampling, Yu et al. 2025,
+    # sec. 3.2; its refill of the dropped groups is refill_rounds below)
+    skip_uniform_groups: bool = False
+    # with skip_uniform_groups: up to this many extra sampling rounds per iteration, each on fresh prompts
+    # for the missing groups, until prompts_per_iteration groups are informative (DAPO's refill; 0: none)
+    refill_rounds: int = Field(0, ge=0, le=16)
+    minibatch_size: int = Field(16, ge=1)  # rollouts per optimizer step; divides prompts x group_size
+
+    @model_validator(mode="after")
+    def _refill(self) -> GRPOConfig:
+        if self.refill_rounds and not self.skip_uniform_groups:
+            raise ValueError("refill_rounds: refills the groups skip_uniform_groups drops; set skip_uniform_groups: true")
+        return self
+
+    def samples_per_prompt(self) -> int:
+        return self.group_size
+
+
+class EvalConfig(Placement):
+    enabled: bool = False  # run the evaluation
+    # "base" is the configured model; the others are the `model/` outputs of those stages in this run.
+    policies: list[Literal["base", "sft", "dpo", "kto", "ppo", "grpo"]] = Field(default_factory=lambda: ["base", "sft"])
+    anchor: str = "sft"  # rated 1000 on the Elo scale
+    # who decides a battle: the task's verifier, the reward model, or both (separate ratings)
+    judge: Literal["verifier", "reward_model", "both"] = "verifier"
+    tie_margin: float = Field(0.0, ge=0.0)  # reward-model judge: |r_a - r_b| <= margin is a tie
+    bootstrap_rounds: int = Field(1000, ge=1)  # bootstrap resamples for the Elo confidence intervals
+    prompts: int = Field(64, ge=1)  # held-out prompts (at most data.eval_size)
+    samples_per_prompt: int = Field(1, ge=1)  # answers per prompt and policy (needs temperature > 0 for more than 1)
+    temperature: float = Field(0.0, ge=0.0)  # 0: greedy; the same sampling params and seed for every policy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
+    max_new_tokens: int = Field(32, ge=1)  # answer budget in tokens
+    batch_size: int = Field(32, ge=1)  # prompts per generate call
+    seed: int = Field(0, ge=0, lt=2**32)  # sampling seed shared by every policy
+
+    @model_validator(mode="after")
+    def _anchor(self) -> EvalConfig:
+        if len(set(self.policies)) < 2 or len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies: need at least two distinct policies to compare, got {self.policies}")
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise ValueError("samples_per_prompt: greedy decoding (temperature 0) gives one sample per prompt")
+        if self.anchor not in self.policies:
+            raise ValueError(f"anchor: must be one of eval.policies {self.policies}, got {self.anchor!r}")
+        return self
+
+
+class PipelineConfig(Strict):
+    profile: str = "default"
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    storage: StorageConfig = StorageConfig()
+    sft: SFTConfig = SFTConfig()
+    reward_model: RewardModelConfig = RewardModelConfig()
+    ref_logprobs: RefLogprobsConfig = RefLogprobsConfig()
+    preferences: PreferencesConfig = PreferencesConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    dpo: DPOConfig = DPOConfig()
+    kto: KTOConfig = KTOConfig()
+    ppo: PPOConfig = PPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    eval: EvalConfig = EvalConfig()
+
+    def stage(self, name: str) -> Strict:
+        return getattr(self, name)
+
+    def work_pool(self, stage: str) -> str:
+        """The Prefect work pool `stage` runs on: its own, else the run's default for stages."""
+        return self.stage(stage).work_pool or self.run.stage_work_pool
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ref_length_follows_dpo(cls, data):
+        # ref_logprobs.max_length: null means dpo's, filled in here so that manifests and keys carry the number
+        if not isinstance(data, dict):
+            return data
+        ref, dpo = data.get("ref_logprobs", {}), data.get("dpo", {})
+        ref = ref.model_dump() if isinstance(ref, BaseModel) else ref
+        if isinstance(ref, dict) and ref.get("max_length") is None:
+            length = dpo.get("max_length") if isinstance(dpo, dict) else getattr(dpo, "max_length", None)
+            data = {**data, "ref_logprobs": {**ref, "max_length": length or DPOConfig.model_fields["max_length"].default}}
+        return data
+
+    @model_validator(mode="after")
+    def _cross(self) -> PipelineConfig:
+        if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
+            raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
+        prefs = self.preferences
+        if prefs.enabled and prefs.policy == "sft" and not self.sft.enabled:
+            raise ValueError("preferences.policy: 'sft' needs sft.enabled: true; use 'base' or enable sft")
+        if prefs.enabled and self.data.prefs_path is not None:
+            raise ValueError("preferences.enabled: data.prefs_path is set too; say which pairs to train on by "
+                             "disabling one of them")
+        if prefs.enabled and prefs.eval_prompts > self.data.eval_size:
+            raise ValueError(f"preferences.eval_prompts: at most data.eval_size ({self.data.eval_size}), "
+                             f"got {prefs.eval_prompts}")
+        if self.eval.enabled and self.eval.prompts > self.data.eval_size:
+            raise ValueError(f"eval.prompts: at most data.eval_size ({self.data.eval_size}), got {self.eval.prompts}")
+        synthetic = not prefs.enabled and self.data.prefs_path is None
+        if self.reward_model.enabled and synthetic:
+            held_out = max(1, round(self.data.train_size * self.reward_model.eval_fraction))
+            if self.data.train_size - held_out < 1:
+                raise ValueError(f"data.train_size: {self.data.train_size} synthetic pairs leave none to train the "
+                                 f"reward model on after holding out {held_out} (reward_model.eval_fraction)")
+        if self.dpo.enabled and not self.ref_logprobs.enabled:
+            raise ValueError("dpo.enabled: DPO reads cached reference log-probs; set ref_logprobs.enabled: true")
+        if self.dpo.enabled and self.dpo.max_length != self.ref_logprobs.max_length:
+            raise ValueError(
+                f"dpo.max_length: must equal ref_logprobs.max_length ({self.ref_logprobs.max_length}) so the cached "
+                f"reference log-probs see the same truncation, got {self.dpo.max_length}"
+            )
+        if self.eval.enabled:
+            for policy in self.eval.policies:
+                if policy != "base" and not self.stage(policy).enabled:
+                    raise ValueError(f"eval.policies: {policy!r} needs {policy}.enabled: true")
+            if self.eval.judge != "verifier" and not self.reward_model.enabled:
+                raise ValueError(f"eval.judge: {self.eval.judge!r} needs reward_model.enabled: true")
+        for name in ("ppo", "grpo"):
+            rl = self.stage(name)
+            if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
+                raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
+            if rl.enabled and self.rollout.engine == "vllm" and (rl.lora.enabled or rl.launch.processes > 1):
+                raise ValueError(f"rollout.engine: 'vllm' in the RL loop needs {name}.lora.enabled false and "
+                                 f"{name}.launch.processes 1 in this version (weights sync as one merged folder)")
+        if self.ppo.enabled and self.ppo.critic_init == "reward_model" and not self.reward_model.enabled:
+            raise ValueError("ppo.critic_init: 'reward_model' needs reward_model.enabled: true")
+        if self.rollout.enabled and self.rollout.policy != "base" and not self.stage(self.rollout.policy).enabled:
+            raise ValueError(f"rollout.policy: {self.rollout.policy!r} needs {self.rollout.policy}.enabled: true")
+        return self

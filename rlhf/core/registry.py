@@ -1,0 +1,111 @@
+"""The stages, one StageSpec each, in DAG order: the one place that says what a stage is.
+
+The plan, each stage's inputs (and so its content key), the CLI's and report's stage lists, the work
+pools, preflight and the memory estimate all derive from SPECS. A new stage is a module under stages/
+with a `run(stage_cfg, ctx)` plus one entry here and its config section (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal
+
+from rlhf.core.config import ConfigError
+
+if TYPE_CHECKING:
+    from rlhf.core.config import PipelineConfig  # noqa: F401 (annotations)
+    from rlhf.core.store import ArtifactStore
+
+# trainer: a TRL Trainer step over rows; rl: our RL loop (generate, score, update); inference: forward passes only
+Kind = Literal["trainer", "rl", "inference"]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    kind: Kind
+    inputs: Callable[[PipelineConfig], list[str]]  # the stages whose outputs it reads under this config
+    outputs: tuple[str, ...]  # the artifact names of its manifest
+    root_outputs: tuple[str, ...] = ()  # those stored relative to the store root (shared caches), not the stage
+    shared: tuple[str, ...] = ()  # other config sections that change its outputs (part of its content key)
+    usual_lr: tuple[float, float] | None = None  # preflight warns outside this learning-rate range
+
+    @property
+    def module(self) -> str:
+        return f"stages.{self.name}"
+
+
+def _sft(cfg) -> list[str]:
+    return ["sft"] if cfg.sft.enabled else []
+
+
+def _pairs(cfg) -> list[str]:
+    # the pair-trained stages read the on-policy pairs when that stage runs (else the task's or the user's)
+    return ["preferences"] if cfg.preferences.enabled else []
+
+
+def _rl_inputs(name: str) -> Callable:
+    def inputs(cfg) -> list[str]:
+        rl = cfg.stage(name)
+        rm = rl.reward_source in ("reward_model", "sum") or getattr(rl, "critic_init", "") == "reward_model"
+        return [*_sft(cfg), *(["reward_model"] if rm else [])]
+    return inputs
+
+
+def _eval_inputs(cfg) -> list[str]:
+    policies = [p for p in cfg.eval.policies if p != "base"]
+    judge = ["reward_model"] if cfg.reward_model.enabled else []  # scores samples even as a metric only
+    return sorted({*policies, *_sft(cfg), *judge}, key=NAMES.index)
+
+
+POLICY = ("model", "metrics")
+SPECS: dict[str, StageSpec] = {s.name: s for s in (
+    StageSpec("sft", "trainer", lambda cfg: [], POLICY, usual_lr=(1e-6, 2e-4)),  # TRL SFT examples 2e-5 .. 2e-4
+    StageSpec("preferences", "inference", lambda cfg: [] if cfg.preferences.policy == "base" else ["sft"],
+              ("pairs", "eval_pairs", "samples")),
+    StageSpec("reward_model", "trainer",
+              lambda cfg: [*(["sft"] if cfg.reward_model.init_from == "sft" else []), *_pairs(cfg)], POLICY,
+              usual_lr=(1e-6, 1e-4)),  # InstructGPT RM 9e-6; TRL reward example 1e-5 .. 1e-4
+    # the reference is the policy DPO starts from: SFT when it runs, else the base model
+    StageSpec("ref_logprobs", "inference", lambda cfg: [*_sft(cfg), *_pairs(cfg)], ("ref_logps", "cache_entry"),
+              root_outputs=("cache_entry",)),
+    StageSpec("dpo", "trainer", lambda cfg: [*_sft(cfg), *_pairs(cfg), "ref_logprobs"], POLICY,
+              usual_lr=(1e-7, 5e-5)),  # Rafailov et al. 2023: 1e-6; Zephyr 5e-7
+    # KTO keeps its own reference cache (stages/kto.py says why)
+    StageSpec("kto", "trainer", lambda cfg: [*_sft(cfg), *_pairs(cfg)], (*POLICY, "ref_logps", "cache_entry"),
+              root_outputs=("cache_entry",), usual_lr=(1e-7, 5e-5)),  # Ethayarajh et al. 2024: 5e-7 .. 5e-6
+    # the RL loop samples with the rollout settings: that section is part of their keys
+    StageSpec("ppo", "rl", _rl_inputs("ppo"), (*POLICY, "experience"), shared=("rollout",),
+              usual_lr=(1e-7, 2e-5)),  # Ouyang et al. 2022: 9.65e-6 (1.3B)
+    StageSpec("grpo", "rl", _rl_inputs("grpo"), (*POLICY, "experience"), shared=("rollout",),
+              usual_lr=(1e-7, 2e-5)),  # DeepSeekMath: 1e-6
+    StageSpec("rollout", "inference", lambda cfg: [] if cfg.rollout.policy == "base" else [cfg.rollout.policy],
+              ("rollouts",)),
+    StageSpec("eval", "inference", _eval_inputs,
+              ("samples", "battles", "ratings", "metrics", "accuracy_diffs", "run", "leaderboard", "chart")),
+)}
+NAMES = tuple(SPECS)  # DAG order: every stage's inputs come before it
+
+
+def of_kind(kind: Kind) -> tuple[str, ...]:
+    return tuple(n for n, s in SPECS.items() if s.kind == kind)
+
+
+def stage_inputs(cfg: PipelineConfig, stage: str) -> list[str]:
+    """The stages whose outputs `stage` reads (their keys are part of its content key)."""
+    return SPECS[stage].inputs(cfg)
+
+
+def plan(cfg: PipelineConfig) -> list[str]:
+    """Enabled stages in DAG order; refuses, before any work, an enabled stage whose inputs are not enabled."""
+    enabled = [s for s in NAMES if cfg.stage(s).enabled]
+    missing = [f"{s}.enabled: {s} reads the outputs of {i}, which is not enabled; enable {i} or disable {s}"
+               for s in enabled for i in stage_inputs(cfg, s) if i not in enabled]
+    if missing:
+        raise ConfigError("pipeline", missing)
+    return enabled
+
+
+def output_path(store: ArtifactStore, run: str, stage: str, name: str, rel: str) -> str:
+    """Where a manifest's output lives: in the stage's prefix, or (shared caches) under the store root."""
+    return store.path(rel) if name in SPECS[stage].root_outputs else store.stage_path(run, stage, rel)

@@ -1,0 +1,215 @@
+"""Artifact store over fsspec: a local folder or s3://bucket/prefix, laid out `<root>/<run>/<stage>/`.
+
+Completion protocol (nanochat and Prefect's big-data guide do the same): a stage writes its outputs,
+then `manifest.json` last. A prefix without a manifest is incomplete and readers refuse it. Clearing a
+prefix deletes the manifest first, so a crash mid-delete never leaves a manifest over partial data.
+Names starting with '_' are reserved for the store itself (`_cache/`, `_attempt.json`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import posixpath
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf.core.config import StorageConfig, check_name
+
+MANIFEST = "manifest.json"
+ATTEMPT = "_attempt.json"
+CHECKPOINTS = "checkpoints"
+COMPLETE = ".complete"  # written last into a checkpoint folder: the copy finished
+
+
+class ArtifactMissing(Exception):
+    """A stage's outputs were asked for, but the stage has not completed (no manifest)."""
+
+
+class SchemaMismatch(Exception):
+    pass
+
+
+class StorageError(RuntimeError):
+    """A storage operation kept failing after bounded retries."""
+
+
+# Not transient: retrying cannot help, and the callers rely on seeing them (a missing manifest is data).
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def retrying(op: str):
+    """Retries an ArtifactStore method on transient errors (OSError and connection errors that are not
+    PERMANENT), with exponential backoff, then raises StorageError naming the operation and the URL."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, path, *args, **kwargs):
+            delay = self.cfg.backoff_seconds
+            for attempt in range(1, self.cfg.attempts + 1):
+                try:
+                    return fn(self, path, *args, **kwargs)
+                except PERMANENT:
+                    raise
+                except (OSError, ConnectionError, TimeoutError) as e:
+                    last = e
+                except Exception as e:  # botocore/aiohttp connection errors are not OSErrors
+                    if not any(k in type(e).__name__ for k in ("Connect", "Timeout", "Endpoint", "ServerDisconnected")):
+                        raise
+                    last = e
+                if attempt < self.cfg.attempts:
+                    time.sleep(delay)
+                    delay *= 2
+                    self.fs.invalidate_cache()
+            target = self.url(path if isinstance(path, str) else str(path))
+            raise StorageError(f"storage {op} of {target} failed after {self.cfg.attempts} attempts: "
+                               f"{type(last).__name__}: {last}") from last
+
+        return inner
+
+    return wrap
+
+
+def filesystem(cfg: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Returns (fs, root path inside fs). S3 credentials come from the environment only."""
+    if cfg.url.startswith("s3://"):
+        import s3fs
+
+        endpoint = cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        fs = s3fs.S3FileSystem(
+            endpoint_url=endpoint,
+            client_kwargs={"region_name": cfg.region},
+            config_kwargs={"retries": {"max_attempts": 3, "mode": "standard"}},
+            use_listings_cache=False,
+        )
+        return fs, cfg.url.removeprefix("s3://").rstrip("/")
+    root = cfg.url.removeprefix("file://")
+    return fsspec.filesystem("file"), str(Path(root).expanduser().resolve())
+
+
+class ArtifactStore:
+    def __init__(self, cfg: StorageConfig):
+        self.cfg = cfg
+        self.fs, self.root = filesystem(cfg)
+        self.is_local = not cfg.url.startswith("s3://")
+
+    # ---- paths -------------------------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        for p in parts:
+            if p.startswith("/") or ".." in p.split("/"):
+                raise ValueError(f"refusing path segment {p!r}: absolute or traversing")
+        return posixpath.join(self.root, *parts)
+
+    def stage_path(self, run: str, stage: str, *rest: str) -> str:
+        check_name("run", run)
+        check_name("stage", stage)
+        return self.path(run, stage, *rest)
+
+    def url(self, path: str) -> str:
+        """A printable location (never carries credentials: those live in the environment)."""
+        return f"s3://{path}" if not self.is_local else path
+
+    # ---- manifests ---------------------------------------------------------------------------
+    def read_manifest(self, run: str, stage: str) -> dict[str, Any] | None:
+        return self.read_json(self.stage_path(run, stage, MANIFEST))
+
+    def require_manifest(self, run: str, stage: str) -> dict[str, Any]:
+        m = self.read_manifest(run, stage)
+        if m is None:
+            raise ArtifactMissing(
+                f"{self.url(self.stage_path(run, stage))} has no {MANIFEST}: stage {stage!r} of run {run!r} "
+                "has not completed, so its outputs cannot be read"
+            )
+        return m
+
+    def write_manifest(self, run: str, stage: str, manifest: dict[str, Any]) -> None:
+        self.write_json(self.stage_path(run, stage, MANIFEST), manifest)
+
+    @retrying("write")
+    def write_json(self, path: str, obj: Any) -> None:
+        """Atomic: local files go through a temp name + rename; an S3 PUT is atomic per object."""
+        data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        if self.is_local:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, data)
+
+    @retrying("read")
+    def read_json(self, path: str) -> Any | None:
+        if not self.fs.exists(path):
+            return None
+        with self.fs.open(path, "rb") as f:
+            return json.loads(f.read())
+
+    def clear_stage(self, run: str, stage: str) -> None:
+        prefix = self.stage_path(run, stage)
+        manifest = posixpath.join(prefix, MANIFEST)
+        if self.fs.exists(manifest):
+            self.fs.rm(manifest)
+        if self.fs.exists(prefix):
+            self.fs.rm(prefix, recursive=True)
+        self.fs.invalidate_cache()
+
+    # ---- tables ------------------------------------------------------------------------------
+    @retrying("write")
+    def write_table(self, path: str, table: pa.Table, schema: pa.Schema) -> None:
+        if not table.schema.equals(schema):
+            raise SchemaMismatch(f"{path}: table schema\n{table.schema}\ndoes not match the declared schema\n{schema}")
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        pq.write_table(table, path, filesystem=self.fs)
+
+    @retrying("read")
+    def read_table(self, path: str, schema: pa.Schema) -> pa.Table:
+        table = pq.read_table(path, filesystem=self.fs)
+        if not table.schema.equals(schema, check_metadata=False):
+            raise SchemaMismatch(f"{self.url(path)}: stored schema\n{table.schema}\nis not the expected\n{schema}")
+        return table
+
+    # ---- folders (checkpoints, model folders) ------------------------------------------------
+    def put_dir(self, local: str | Path, remote: str) -> None:
+        """Uploads file by file, each retried: a retry never restarts a large folder from scratch."""
+        local = Path(local)
+        for file in sorted(p for p in local.rglob("*") if p.is_file()):
+            self._put_file(posixpath.join(remote, file.relative_to(local).as_posix()), file)
+
+    @retrying("upload")
+    def _put_file(self, dest: str, file: Path) -> None:
+        self.fs.makedirs(posixpath.dirname(dest), exist_ok=True)
+        self.fs.put_file(str(file), dest)
+
+    @retrying("download")
+    def get_dir(self, remote: str, local: str | Path) -> Path:
+        local = Path(local)
+        remote = remote.rstrip("/")
+        for file in self.fs.find(remote):
+            rel = posixpath.relpath(file, remote)
+            dest = local / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(file, str(dest))
+        return local
+
+    @retrying("list")
+    def complete_checkpoints(self, run: str, stage: str) -> dict[int, str]:
+        """step -> folder name of each checkpoint of the stage whose COMPLETE marker exists. Names end in
+        their step or iteration number (`checkpoint-12`, `iter-000003`)."""
+        root = self.stage_path(run, stage, CHECKPOINTS)
+        return {int(name.rsplit("-", 1)[1]): name for name in self.list_dirs(root)
+                if self.fs.exists(posixpath.join(root, name, COMPLETE))}
+
+    def list_dirs(self, path: str) -> list[str]:
+        if not self.fs.exists(path):
+            return []
+        return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False) if self.fs.isdir(p)]

@@ -1,0 +1,130 @@
+"""Training rows for the stages: demonstrations, preference pairs and KTO's unpaired examples, from user
+files or the task.
+
+Every preference row carries a stable `pair_id` ("train-17" for task data, "row-17" for user data, 1-based
+like the row numbers in error messages) that joins it to its cached reference log-probs.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pyarrow as pa
+from trl.data_utils import extract_prompt
+
+from rlhf.core.config import DataConfig
+from rlhf.data.tasks import Task
+from rlhf.data.userdata import load_rows
+
+_MESSAGES = pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
+# On-policy pairs (stages/preferences.py): TRL's conversational preference format plus provenance.
+PAIRS_SCHEMA = pa.schema([
+    pa.field("pair_id", pa.string(), nullable=False),  # "<prompt id>:<chosen index>:<rejected index>"
+    pa.field("prompt", _MESSAGES),
+    pa.field("chosen", _MESSAGES),
+    pa.field("rejected", _MESSAGES),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("chosen_index", pa.int64()),  # sample index of the chosen answer among the K
+    pa.field("rejected_index", pa.int64()),
+    pa.field("chosen_score", pa.float64()),  # the judge's scores
+    pa.field("rejected_score", pa.float64()),
+    pa.field("judge", pa.string()),  # verifier | function:<module:function> | reward_model:<path>
+    pa.field("policy", pa.string()),  # whose samples: base | sft
+    pa.field("policy_key", pa.string()),  # that policy's content key ("" for base)
+    pa.field("temperature", pa.float64()),
+    pa.field("top_p", pa.float64()),
+    pa.field("samples_per_prompt", pa.int64()),
+])
+
+
+def build_pairs(scores: list[float], mode: str = "best_worst") -> tuple[list[tuple[int, int]], int]:
+    """(chosen, rejected) sample indices from one prompt's K judged answers, and the ties dropped.
+
+    best_worst: the first highest- vs the first lowest-scored answer, one pair per prompt (a prompt
+    whose answers all score the same is one tie). all_pairs: every i < j with different scores, the
+    higher first; each equal-score pair is a tie.
+    Hand-worked, scores [1, 0, 1, 0.5]: best_worst -> [(0, 1)], 0 ties; all_pairs -> (0,1), (0,3),
+    (2,1), (3,1), (2,3) and one tie (0, 2).
+    """
+    if mode == "best_worst":
+        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        worst = min(range(len(scores)), key=lambda i: (scores[i], i))
+        return ([(best, worst)], 0) if scores[best] > scores[worst] else ([], 1)
+    if mode == "all_pairs":
+        pairs, ties = [], 0
+        for i in range(len(scores)):
+            for j in range(i + 1, len(scores)):
+                if scores[i] == scores[j]:
+                    ties += 1
+                else:
+                    pairs.append((i, j) if scores[i] > scores[j] else (j, i))
+        return pairs, ties
+    raise ValueError(f"pairing: unknown mode {mode!r}")
+
+
+def onpolicy_pairs(ctx, output: str = "pairs") -> list[dict]:
+    """The preferences stage's pairs (`pairs` or `eval_pairs`) as training rows with pair_id."""
+    table = ctx.store.read_table(ctx.input_path("preferences", output), PAIRS_SCHEMA)
+    return [{k: r[k] for k in ("prompt", "chosen", "rejected", "pair_id")} for r in table.to_pylist()]
+
+
+def stage_pairs(ctx, keep_margin: bool = False) -> tuple[list[dict], int]:
+    """The pairs a stage trains on: on-policy pairs when the preferences stage is its input, else
+    `preference_pairs` (a user file or the task's synthetic pairs)."""
+    if "preferences" in ctx.inputs:
+        return onpolicy_pairs(ctx), 0
+    return preference_pairs(ctx.cfg.data, ctx.log, keep_margin)
+
+
+def demonstrations(data: DataConfig, log: logging.Logger) -> tuple[list[dict], int]:
+    """(rows, dropped count): user data when data.sft_path is set, else the task's demonstrations."""
+    if data.sft_path:
+        rows, dropped = load_rows(data.sft_path, "sft", data.on_bad_row)
+        for message in dropped:
+            log.warning("dropped %s", message)
+        return rows, len(dropped)
+    return Task(data).sft_rows(), 0
+
+
+def preference_pairs(data: DataConfig, log: logging.Logger, keep_margin: bool = False) -> tuple[list[dict], int]:
+    """(rows with pair_id, dropped count): user data when data.prefs_path is set, else the task's pairs."""
+    if data.prefs_path:
+        rows, dropped = load_rows(data.prefs_path, "prefs", data.on_bad_row, keep_index=True)
+        for message in dropped:
+            log.warning("dropped %s", message)
+        rows = [{**row, "pair_id": f"row-{n}"} for n, row in rows]
+    else:
+        task = Task(data)
+        rows, dropped = [{**row, "pair_id": p.id} for row, p in zip(task.preference_rows(), task.train)], []
+    if not keep_margin:
+        rows = [{k: v for k, v in r.items() if k != "margin"} for r in rows]
+    return rows, len(dropped)
+
+
+def unpaired_examples(data: DataConfig, log: logging.Logger, pairs: list[dict] | None = None) -> tuple[list[dict], int]:
+    """KTO's (rows with example_id, dropped count): `data.unpaired_path` when set, else every preference
+    pair split into a desirable (chosen) and an undesirable (rejected) example.
+
+    The order is a seeded shuffle (data.seed): KTO's KL term pairs each prompt with the completion of its
+    neighbour in a fixed-order batch, and a pair's two halves side by side would share a prompt.
+    """
+    if data.unpaired_path:
+        loaded, dropped = load_rows(data.unpaired_path, "unpaired", data.on_bad_row, keep_index=True)
+        for message in dropped:
+            log.warning("dropped %s", message)
+        rows = [{**row, "example_id": f"row-{n}"} for n, row in loaded]
+        n_dropped = len(dropped)
+    else:
+        if pairs is None:
+            pairs, n_dropped = preference_pairs(data, log)
+        else:
+            n_dropped = 0
+        pairs = [p if "prompt" in p else {**p, **extract_prompt(p)} for p in pairs]  # implicit-prompt rows
+        rows = [
+            {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen", "example_id": f"{p['pair_id']}:{side}"}
+            for p in pairs
+            for side in ("chosen", "rejected")
+        ]
+    random.Random(data.seed).shuffle(rows)
+    return rows, n_dropped

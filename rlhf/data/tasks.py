@@ -1,0 +1,169 @@
+"""The embedded default task: verifiable problems from reasoning-gym.
+
+From one `data` config it yields deterministic, disjoint train/eval problems with gold answers, a
+verifier reward, SFT demonstrations and preference pairs. Prompts are conversational (a single user
+turn) so the chat template applies, as TRL's conversational formats expect.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from functools import cached_property
+
+from rlhf.core.config import DataConfig
+
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str  # "<split>-<index>"
+    question: str
+    answer: str
+    entry: dict  # reasoning-gym's full entry, needed by its score_answer
+
+
+def last_number(text: str) -> str | None:
+    """The verifier reads the last number of a completion (so 'The answer is 7.' scores as '7')."""
+    found = _NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+@dataclass(frozen=True)
+class Task:
+    cfg: DataConfig
+
+    @property
+    def name(self) -> str:
+        return self.cfg.task.split(":", 1)[1]
+
+    def _generate(self, seed: int, size: int):
+        import reasoning_gym
+
+        return reasoning_gym.create_dataset(self.name, seed=seed, size=size, **self.cfg.task_params)
+
+    @cached_property
+    def _splits(self) -> tuple[list[Problem], list[Problem]]:
+        # Train and eval come from different seeds; eval drops any question that also appears in
+        # train so the held-out score never rewards memorisation.
+        train_ds = self._generate(self.cfg.seed, self.cfg.train_size)
+        train = [Problem(f"train-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(train_ds)]
+        seen = {p.question for p in train}
+        eval_ds = self._generate(self.cfg.seed + 1_000_003, self.cfg.eval_size * 2)
+        held_out = [e for e in eval_ds if e["question"] not in seen][: self.cfg.eval_size]
+        evals = [Problem(f"eval-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(held_out)]
+        return train, evals
+
+    @cached_property
+    def rl(self) -> list[Problem]:
+        """RL prompts: the training problems, or (data.rl_size > 0) a fresh draw from a third seed with
+        every question of train and eval removed."""
+        if not self.cfg.rl_size:
+            return self.train
+        seen = {p.question for p in self.train} | {p.question for p in self.eval}
+        fresh = []
+        for e in self._generate(self.cfg.seed + 2_000_003, self.cfg.rl_size * 2):
+            if e["question"] not in seen:
+                seen.add(e["question"])
+                fresh.append(e)
+        return [Problem(f"rl-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(fresh[: self.cfg.rl_size])]
+
+    @property
+    def train(self) -> list[Problem]:
+        return self._splits[0]
+
+    @property
+    def eval(self) -> list[Problem]:
+        return self._splits[1]
+
+    @cached_property
+    def _scorer(self):
+        import reasoning_gym
+
+        return reasoning_gym.get_score_answer_fn(self.name)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """Verifier reward in [0, 1]: reasoning-gym's own scorer on the completion's last number."""
+        answer = last_number(completion)
+        return float(self._scorer(answer if answer is not None else completion.strip(), problem.entry))
+
+    def sft_rows(self) -> list[dict]:
+        """Demonstrations: the gold answer as the assistant's reply, or (answer_format 'worked') a worked
+        solution ending in it."""
+        reply = worked_solution if self.cfg.answer_format == "worked" else (lambda p: p.answer)
+        return [{"prompt": [user(p.question)], "completion": [assistant(reply(p))]} for p in self.train]
+
+    def preference_rows(self) -> list[dict]:
+        """Pairs whose chosen answer verifies and whose rejected answer does not (by construction)."""
+        rng = random.Random(self.cfg.seed)
+        pool = [p.answer for p in self.train]
+        rows = []
+        for p in self.train:
+            # reasoning-gym gives partial credit when the gold string appears inside the answer
+            # ('-5' for '5'): redraw until the verifier scores the rejected reply 0.
+            wrong = wrong_answer(p.answer, rng, pool)
+            for _ in range(20):
+                if self.score(wrong, p) == 0.0:
+                    break
+                wrong = wrong_answer(p.answer, rng, pool)
+            else:
+                raise ValueError(f"{self.cfg.task}: could not build an incorrect answer for {p.id}")
+            rows.append(
+                {"prompt": [user(p.question)], "chosen": [assistant(p.answer)], "rejected": [assistant(wrong)]}
+            )
+        return rows
+
+
+_EXPRESSION = re.compile(r"(-?\d+)((?:\s*[-+]\s*\d+)+)\s*=\s*$")
+
+
+def split_step(total: int, op: str, term: int) -> tuple[str, int]:
+    """One step `total op term` written as tens, then units: '98 + 93 = 98 + 90 + 3 = 188 + 3 = 191'.
+    Each move changes the tens or adds one digit, which a small model does more reliably than the whole
+    sum at once (the verifier reads the last number, so the result stays the answer)."""
+    sign = 1 if op == "+" else -1
+    tens, units = term - term % 10, term % 10
+    if tens == 0 or units == 0:  # nothing to split
+        result = total + sign * term
+        return f"{total} {op} {term} = {result}", result
+    middle = total + sign * tens
+    result = middle + sign * units
+    return f"{total} {op} {term} = {total} {op} {tens} {op} {units} = {middle} {op} {units} = {result}", result
+
+
+def worked_solution(problem: Problem) -> str:
+    """A worked solution of a chain_sum problem, left to right, ending in the answer. Hand-worked:
+    '15 - 43 =' -> '15 - 43 = 15 - 40 - 3 = -25 - 3 = -28. The answer is -28.'"""
+    m = _EXPRESSION.search(problem.question)
+    if m is None:
+        raise ValueError(f"{problem.id}: no chain_sum expression in {problem.question!r}")
+    total = int(m.group(1))
+    steps = []
+    for op, term in re.findall(r"([-+])\s*(\d+)", m.group(2)):
+        text, total = split_step(total, op, int(term))
+        steps.append(text)
+    if str(total) != problem.answer:
+        raise ValueError(f"{problem.id}: worked solution gives {total}, the gold answer is {problem.answer}")
+    return "; ".join(steps) + f". The answer is {total}."
+
+
+def wrong_answer(answer: str, rng: random.Random, pool: list[str]) -> str:
+    """A plausible but incorrect answer: the gold number shifted by a non-zero offset, or, for
+    non-numeric tasks, another problem's answer."""
+    try:
+        value = Decimal(answer)
+    except InvalidOperation:
+        return rng.choice(pool)
+    offset = rng.choice([-10, -2, -1, 1, 2, 10, 11, 100])
+    return str(value + offset)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}

@@ -1,0 +1,113 @@
+"""Rollout engines behind one small interface: token ids, sampler log-probs and finish reasons.
+
+`HFEngine` wraps transformers' `generate` (batched, left-padded, KV cache). A vLLM engine can implement
+the same `Engine` protocol; callers never see which one runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    n: int = 1  # samples per prompt
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]  # generated tokens only, up to and including EOS
+    logprobs: list[float]  # log-prob of each generated token under the sampler's distribution
+    text: str
+    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens reached)
+
+
+def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template; with generation_prompt the
+    assistant turn is opened (what an engine continues from)."""
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                              return_dict=True)["input_ids"])
+
+
+class Engine(Protocol):
+    """What the RL loop samples through. `sync` brings the engine's weights to the policy's after an
+    update (None when the engine shares the policy's weights: nothing to do); `close` frees it."""
+
+    def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1),
+                 on_batch=None) -> list[Generation]: ...
+
+    def sync(self, policy) -> float | None: ...
+
+    def close(self) -> None: ...
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer, batch_size: int = 16):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+
+    def sync(self, policy) -> None:
+        """Nothing to sync: this engine generates with the policy module itself."""
+
+    def close(self) -> None:
+        """Nothing to free: the model belongs to the caller."""
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1),
+                 on_batch=None) -> list[Generation]:
+        """Generations ordered by (prompt, sample). Batches are seeded by (seed, batch index), so the same
+        params reproduce the same samples whatever ran before. `shard=(rank, world)` generates only the
+        batches b with b % world == rank, each with its one-process seed: the union over ranks is exactly
+        the one-process output."""
+        tok, model = self.tokenizer, self.model
+        was_training, side = model.training, tok.padding_side
+        model.eval()
+        tok.padding_side = "left"  # new tokens must follow the prompt directly
+        jobs = [(i, s) for i in range(len(prompts)) for s in range(params.n)]
+        out: list[Generation] = []
+        try:
+            for b, start in enumerate(range(0, len(jobs), self.batch_size)):
+                if b % shard[1] != shard[0]:
+                    continue
+                chunk = jobs[start : start + self.batch_size]
+                texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True) for i, _ in chunk]
+                enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+                torch.manual_seed(params.seed * 1_000_003 + b)
+                greedy = params.temperature == 0
+                gen = model.generate(
+                    **enc,
+                    max_new_tokens=params.max_new_tokens,
+                    do_sample=not greedy,
+                    temperature=None if greedy else params.temperature,
+                    top_p=None if greedy else params.top_p,
+                    top_k=None,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=tok.eos_token_id,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
+                new = gen.sequences[:, enc["input_ids"].shape[1] :]
+                # scores are the processed logits the sampler drew from (after temperature / top-p)
+                logp = torch.stack(gen.scores, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                for row, (i, s) in enumerate(chunk):
+                    ids = new[row].tolist()
+                    n = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
+                    out.append(Generation(
+                        i, s, ids[:n], logp[row, :n].tolist(),
+                        tok.decode(ids[:n], skip_special_tokens=True),
+                        "stop" if n < len(ids) or (ids and ids[n - 1] == tok.eos_token_id) else "length",
+                    ))
+                if on_batch is not None:
+                    on_batch(min(start + self.batch_size, len(jobs)), len(jobs))
+        finally:
+            tok.padding_side = side
+            model.train(was_training)
+        return out

@@ -1,0 +1,285 @@
+"""The `rlhf` command. Bad configuration exits 2 with one 'key.path: problem' line per problem,
+before anything heavy (torch, models, Prefect) is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+
+from rlhf.core.loader import ConfigError, derived_quantities, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Resumable RLHF pipeline.")
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="pipeline.yaml to read")]
+ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the file's `profiles:` (default, tiny, ...)")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
+
+
+def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False):
+    """The config, its stage plan and (check_data) the user data files' row check as summary lines (one
+    per file; empty without check_data); exit 2 on a problem."""
+    from rlhf.data.userdata import DataError
+
+    try:
+        cfg = load_config(config, profile, overrides)
+        from rlhf.core.registry import plan
+
+        lines = []
+        if check_data:
+            from rlhf.pipeline.preflight import check_data as check
+
+            lines = check(cfg)
+        return cfg, plan(cfg), lines
+    except (ConfigError, DataError) as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def validate(
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Check pipeline.yaml and the user data files; print the resolved config, the stage plan, derived
+    batch quantities and the preflight (skip/resume/run per stage, memory estimate, warnings)."""
+    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], check_data=True)
+    from rlhf.pipeline import preflight
+    from rlhf.core.store import ArtifactStore
+
+    report = {
+        "config": cfg.model_dump(mode="json"),
+        "data": data_lines,
+        "plan": stages,
+        "derived": derived_quantities(cfg),
+        "preflight": preflight.report(cfg, ArtifactStore(cfg.storage)),
+    }
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    for line in data_lines:
+        typer.echo(line)
+    typer.echo(yaml.safe_dump(report["config"], sort_keys=False).rstrip())
+    typer.echo(f"\n# plan (DAG order): {' -> '.join(stages) or '(no stage enabled)'}")
+    for stage, values in report["derived"].items():
+        typer.echo(f"# {stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    typer.echo(f"# preflight for run {cfg.run.name!r} (memory: estimated peak per stage, see rlhf/pipeline/memory.py)")
+    for line in report["preflight"]:
+        typer.echo(f"# {line}")
+    typer.echo(f"# {config}: OK")
+
+
+@app.command()
+def run(
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    run_name: Annotated[Optional[str], typer.Option("--run-name", help="overrides run.name")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Run the enabled stages through the `rlhf` Prefect flow (a temporary local API unless
+    PREFECT_API_URL points at a server). Completed stages with unchanged content keys are skipped."""
+    # JSON-quoted: a YAML double-quoted string, so `123` or `2024-01-01` stay names, and "" is refused, not ignored.
+    overrides = list(set_ or []) + ([f"run.name={json.dumps(run_name)}"] if run_name is not None else [])
+    cfg, stages, data_lines = _load_or_exit(config, profile, overrides, check_data=True)
+    for line in data_lines:
+        typer.echo(line)
+    for stage, values in derived_quantities(cfg).items():
+        typer.echo(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    from rlhf.pipeline.lock import RunLock, RunLocked
+    from rlhf.core.store import ArtifactStore, StorageError
+
+    try:  # asked again, atomically enough, when the flow takes the lock; here to refuse before Prefect starts
+        RunLock(ArtifactStore(cfg.storage), cfg.run.name).check()
+    except RunLocked as e:
+        typer.echo(f"refused: {e}", err=True)
+        raise typer.Exit(3) from None
+    except StorageError as e:
+        typer.echo(f"storage: {e}", err=True)
+        raise typer.Exit(2) from None
+    # The temporary local API needs no telemetry (and there is no network to send it to).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from rlhf.pipeline.supervise import fork_supervised
+
+    fork_supervised()  # before Prefect and torch start threads: the flow runs in a child that dies with us
+    from flows.rlhf import rlhf
+
+    try:
+        results = rlhf(config_path=str(config.resolve()), profile=profile, overrides=overrides)
+    except RunLocked as e:
+        typer.echo(f"refused: {e}", err=True)
+        raise typer.Exit(3) from None
+    for r in results:
+        shown = {k: round(v, 4) for k, v in r["metrics"].items()}
+        typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
+
+
+StateOpt = Annotated[Optional[Path], typer.Option("--state-dir", help="where up/down/status keep PIDs and logs")]
+
+
+@app.command()
+def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default", set_: SetOpt = None,
+       state_dir: StateOpt = None, poll_seconds: int = 5,
+       heartbeat_seconds: Annotated[int, typer.Option(min=30, help="flow-run heartbeat; a run silent for "
+                                                      "2x this + 15 s is marked Crashed")] = 30) -> None:
+    """Start a local Prefect server, a process worker per work pool, and register the deployments.
+    Run again to restart workers that died; what is healthy is kept."""
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    from rlhf.ops import services
+
+    services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,
+                log=typer.echo)
+
+
+@app.command()
+def deploy(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default", set_: SetOpt = None,
+           source: Annotated[Optional[str], typer.Option(help="where workers find this code: a path in their "
+                                                          "image or a git URL (default: this checkout)")] = None,
+           heartbeat_seconds: Annotated[int, typer.Option(min=30)] = 30) -> None:
+    """Register `rlhf/full`, `rlhf-stage/<stage>` and the crash-detection automation on the server that
+    PREFECT_API_URL names (a cluster's), without starting anything locally. Workers need
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY set to the same heartbeat."""
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    from flows.rlhf import deploy as register
+
+    register(cfg.model_dump(mode="json"), str(config.resolve()), heartbeat_seconds, source)
+    typer.echo(f"registered rlhf/full and rlhf-stage/<stage> on {os.environ.get('PREFECT_API_URL', 'the active profile')}")
+
+
+@app.command()
+def down(state_dir: StateOpt = None) -> None:
+    """Stop the workers, then the server, that `rlhf up` started (by their recorded PIDs)."""
+    from rlhf.ops import services
+
+    services.down(services.state_dir(state_dir and str(state_dir)), log=typer.echo)
+
+
+@app.command()
+def status(state_dir: StateOpt = None) -> None:
+    """Show the server URL and whether each process `rlhf up` started is alive."""
+    from rlhf.ops import services
+
+    typer.echo(json.dumps(services.status(services.state_dir(state_dir and str(state_dir))), indent=2))
+
+
+# A query may start with `--` (an SQL comment): unknown option-like words are the SQL argument, not options.
+@app.command(context_settings={"ignore_unknown_options": True})
+def query(
+    sql: Annotated[str, typer.Argument(help="a read-only SQL query over runs, samples, battles, ratings, metrics, accuracy_diffs")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+) -> None:
+    """Query evaluation results of every run in the artifact store with DuckDB (read-only)."""
+    if fmt not in ("table", "csv", "json"):
+        typer.echo(f"--format: must be one of table, csv, json, got {fmt!r}", err=True)
+        raise typer.Exit(2)
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    from rlhf.ops.results import QueryRefused
+    from rlhf.ops.results import query as run_query
+    from rlhf.core.store import ArtifactStore
+
+    try:
+        table = run_query(ArtifactStore(cfg.storage), sql)
+    except QueryRefused as e:
+        typer.echo(f"query refused: {e}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as e:  # DuckDB parser/binder errors: show DuckDB's own message
+        typer.echo(f"query failed: {e}", err=True)
+        raise typer.Exit(1) from None
+    rows = table.to_pylist()
+    if fmt == "json":
+        typer.echo(json.dumps(rows, indent=2, default=str))
+    elif fmt == "csv":
+        import csv
+        import io
+
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=table.column_names)
+        writer.writeheader()
+        writer.writerows(rows)
+        typer.echo(buf.getvalue().rstrip())
+    else:
+        typer.echo(format_table(table.column_names, rows))
+
+
+@app.command()
+def report(
+    run_name: Annotated[str, typer.Argument(help="the run to report on (its run.name)")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="folder for report.md and PNGs")] = None,
+) -> None:
+    """Write a self-contained report of one run (markdown + PNG curves, Elo chart, leaderboard)."""
+    cfg, _, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(run_name)}"])
+    from rlhf.ops.report import build
+    from rlhf.core.store import ArtifactStore
+
+    store = ArtifactStore(cfg.storage)
+    if not store.fs.exists(store.path(cfg.run.name)):
+        typer.echo(f"no run {cfg.run.name!r} under {store.url(store.path(cfg.run.name))}", err=True)
+        raise typer.Exit(2)
+    typer.echo(str(build(store, cfg.run.name, out or Path("reports") / cfg.run.name)))
+
+
+@app.command()
+def diff(
+    run_a: Annotated[str, typer.Argument(help="first run name (A)")],
+    run_b: Annotated[str, typer.Argument(help="second run name (B)")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Per stage: do the two runs' results differ, and why (changed config values with old and new,
+    code version, an upstream stage's key); final metrics side by side; eval Elo with intervals."""
+    cfgs = [_load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(r)}"])[0] for r in (run_a, run_b)]
+    from rlhf.ops.diff import diff_runs, render
+    from rlhf.ops.results import SCHEMAS
+    from rlhf.core.registry import NAMES
+    from rlhf.core.store import ArtifactStore, StorageError
+
+    store = ArtifactStore(cfgs[0].storage)
+    manifests, ratings = {}, {}
+    try:
+        for cfg in cfgs:
+            run = cfg.run.name
+            if not store.fs.exists(store.path(run)):
+                typer.echo(f"no run {run!r} under {store.url(store.path(run))}", err=True)
+                raise typer.Exit(2)
+            manifests[run] = {s: m for s in NAMES if isinstance(m := store.read_manifest(run, s), dict)}
+            path = store.stage_path(run, "eval", "ratings.parquet")
+            ratings[run] = store.read_table(path, SCHEMAS["ratings"]).to_pylist() if "eval" in manifests[run] else []
+    except StorageError as e:
+        typer.echo(f"storage: {e}", err=True)
+        raise typer.Exit(2) from None
+    names = [c.run.name for c in cfgs]
+    diffs = diff_runs(manifests[names[0]], manifests[names[-1]], list(NAMES))
+    if as_json:
+        typer.echo(json.dumps({"a": names[0], "b": names[-1], "stages": diffs, "ratings": ratings}, indent=2, default=str))
+    else:
+        typer.echo(render(names[0], names[-1], diffs, ratings))
+
+
+def format_table(columns: list[str], rows: list[dict]) -> str:
+    def cell(v) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else ("NULL" if v is None else str(v))
+
+    cells = [[cell(r[c]) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip(), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
+    lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(lines)
+
+
+def main() -> None:  # pragma: no cover - console entry point alias
+    sys.exit(app())

@@ -1,0 +1,157 @@
+"""Local bring-up: a Prefect server on 127.0.0.1, one process work pool and worker per pool named in
+pipeline.yaml, and the deployments `rlhf/full` (the pipeline) and `rlhf-stage/<stage>` (one per stage,
+on that stage's pool). `down` stops exactly what `up` started, by the PIDs it recorded.
+
+State lives in a folder (default `<RLHF_HOME>/services`): the server's SQLite database (its own
+PREFECT_HOME), logs, PID files and `api_url`. `up` also sets PREFECT_API_URL in the caller's active
+Prefect profile so that a plain `prefect deployment run rlhf/full --watch` reaches this server; `down`
+unsets it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from rlhf.core.config import PipelineConfig
+from rlhf.core.models import home
+
+REPO = Path(__file__).resolve().parents[2]  # the checkout: rlhf/ops/services.py
+BIN = Path(sys.executable).parent
+
+
+def state_dir(path: str | None) -> Path:
+    d = Path(path).expanduser() if path else home() / "services"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:  # a zombie child of ours counts as dead
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def _healthy(api: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _spawn(state: Path, name: str, argv: list[str], env: dict) -> int:
+    log = open(state / f"{name}.log", "ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    (state / f"{name}.pid").write_text(str(proc.pid))
+    return proc.pid
+
+
+def pools(cfg: PipelineConfig) -> list[str]:
+    from rlhf.core.registry import NAMES as STAGES
+
+    return sorted({cfg.run.work_pool, *(cfg.work_pool(s) for s in STAGES)})
+
+
+def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 5, heartbeat_seconds: int = 30,
+       log=print) -> str:
+    """Idempotent: a healthy server recorded in `state` is reused, dead workers are restarted; pools,
+    deployments and the crash-detection automation are upserted."""
+    api_file = state / "api_url"
+    api = api_file.read_text().strip() if api_file.exists() else ""
+    if not (api and _healthy(api)):
+        port = _free_port()
+        api = f"http://127.0.0.1:{port}/api"
+        env = {**os.environ, "PREFECT_HOME": str(state / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        env.pop("PREFECT_API_URL", None)
+        _spawn(state, "server", [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+                                 "--analytics-off"], env)
+        deadline = time.time() + 90
+        while not _healthy(api):
+            if time.time() > deadline:
+                raise RuntimeError(f"Prefect server did not become healthy at {api}; see {state / 'server.log'}")
+            time.sleep(0.5)
+        api_file.write_text(api)
+        log(f"server: {api} (pid {(state / 'server.pid').read_text()})")
+    # Flow runs inherit the worker's environment: each sends a heartbeat every `heartbeat_seconds`
+    # (Prefect's minimum is 30), which the crash-detection automation watches.
+    env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": str(poll_seconds),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(heartbeat_seconds)}
+    for pool in pools(cfg):
+        subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process", "--overwrite"],
+                       env=env, check=True, capture_output=True)
+        pid_file = state / f"worker-{pool}.pid"
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            continue
+        pid = _spawn(state, f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"], env)
+        log(f"worker: pool {pool!r} (pid {pid})")
+    register_deployments(cfg, config_path, api, heartbeat_seconds)
+    subprocess.run([str(BIN / "prefect"), "config", "set", f"PREFECT_API_URL={api}"], check=True, capture_output=True)
+    (state / "pools.json").write_text(json.dumps(pools(cfg)))
+    log("deployments: rlhf/full and rlhf-stage/<stage>; run: prefect deployment run rlhf/full --watch")
+    return api
+
+
+def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heartbeat_seconds: int) -> None:
+    """Registered in a child process so that PREFECT_API_URL applies from Prefect's first import."""
+    code = (
+        "import sys, json; from flows.rlhf import deploy; "
+        "deploy(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"
+    )
+    env = {**os.environ, "PREFECT_API_URL": api}
+    subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json")), str(config_path.resolve()),
+                    str(heartbeat_seconds)], env=env, check=True, cwd=REPO)
+
+
+def _stop(pid: int, first: int, then: int, grace: float) -> None:
+    """Prefect workers were measured to ignore the first SIGTERM for 15 s or more: escalate to SIGINT."""
+    for sig, wait in ((first, grace), (then, grace), (signal.SIGKILL, 5.0)):
+        if not _alive(pid):
+            return
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.time() + wait
+        while time.time() < deadline and _alive(pid):
+            time.sleep(0.2)
+
+
+def down(state: Path, log=print) -> None:
+    for pid_file in sorted(state.glob("worker-*.pid")) + [state / "server.pid"]:  # workers before the server
+        if not pid_file.exists():
+            continue
+        pid = int(pid_file.read_text())
+        _stop(pid, signal.SIGTERM, signal.SIGINT, grace=15.0)
+        pid_file.unlink()
+        log(f"stopped {pid_file.stem} (pid {pid})")
+    (state / "api_url").unlink(missing_ok=True)
+    subprocess.run([str(BIN / "prefect"), "config", "unset", "PREFECT_API_URL"], capture_output=True)
+
+
+def status(state: Path) -> dict:
+    out = {"api_url": (state / "api_url").read_text().strip() if (state / "api_url").exists() else None}
+    for pid_file in sorted(state.glob("*.pid")):
+        pid = int(pid_file.read_text())
+        out[pid_file.stem] = {"pid": pid, "alive": _alive(pid)}
+    out["healthy"] = bool(out["api_url"]) and _healthy(out["api_url"])
+    return out

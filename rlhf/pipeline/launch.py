@@ -1,0 +1,119 @@
+"""Run one stage with N data-parallel processes on this node (torchrun), or in-process when N is 1.
+
+The runner calls `run_stage`; with `<stage>.launch.processes > 1` it writes a launch spec into the
+stage's scratch and starts `python -m torch.distributed.run --standalone --nproc_per_node N -m
+rlhf.pipeline.launch SPEC`. Every rank rebuilds the config and store from the spec and calls the stage's own
+`run()`; the HF Trainer (through accelerate) sees the torchrun environment and trains data-parallel,
+and the RL loop shards its rollouts (rlhf/train/rl_loop.py). Rank 0 alone writes artifacts and the result file;
+the parent process turns that into the manifest, so a manifest is written exactly once. The workers'
+output is relayed line by line into the stage's log (and so into Prefect's logs).
+Single node only: the ranks share the stage's local scratch folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections import deque
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+from rlhf.core.config import LaunchConfig, PipelineConfig
+from rlhf.core.models import resolve_model
+from rlhf.core.registry import SPECS
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.core.store import ArtifactStore
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def check_launch(stage: str, launch: LaunchConfig) -> None:
+    """Refuse, before any process starts, a strategy this worker cannot run."""
+    import torch
+
+    if launch.strategy != "ddp" and not torch.cuda.is_available():
+        raise LaunchError(f"{stage}.launch.strategy: {launch.strategy!r} needs CUDA GPUs; this worker has none (use 'ddp')")
+    if launch.strategy == "deepspeed_zero3" and importlib.util.find_spec("deepspeed") is None:
+        raise LaunchError(f"{stage}.launch.strategy: 'deepspeed_zero3' needs the deepspeed package on the worker")
+    if torch.cuda.is_available() and torch.cuda.device_count() < launch.processes:
+        raise LaunchError(f"{stage}.launch.processes: {launch.processes} processes but {torch.cuda.device_count()} GPUs here")
+
+
+def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
+    launch: LaunchConfig | None = getattr(stage_cfg, "launch", None)
+    if launch is None or launch.processes == 1:
+        return module.run(stage_cfg, ctx)
+    check_launch(ctx.stage, launch)
+    resolve_model(ctx.cfg.model)  # builds the local copy of the base model once, not once per rank
+    folder = ctx.workdir / "launch"
+    folder.mkdir(parents=True, exist_ok=True)
+    spec, result_path = folder / "spec.json", folder / "result.json"
+    for stale in (result_path, *folder.glob("error-rank*.txt")):
+        stale.unlink(missing_ok=True)
+    spec.write_text(json.dumps({
+        "config": ctx.cfg.model_dump(mode="json"), "stage": ctx.stage, "key": ctx.key, "inputs": ctx.inputs,
+        "workdir": str(ctx.workdir), "result": str(result_path),
+    }))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.processes}",
+           "-m", "rlhf.pipeline.launch", str(spec)]
+    ctx.log.info("%s: launching %d processes (%s)", ctx.stage, launch.processes, launch.strategy)
+    # One thread per rank on CPU: N ranks each using every core would oversubscribe the machine.
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.processes)))
+    # The workers import what this process can (a reward function module found through its sys.path).
+    path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": path}
+    tail: deque[str] = deque(maxlen=30)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            ctx.log.info("%s", line.rstrip())
+        rc = proc.wait()
+    if rc != 0 or not result_path.exists():
+        errors = [f"{p.stem.removeprefix('error-')}: {p.read_text()}" for p in sorted(folder.glob("error-rank*.txt"))]
+        cause = "; ".join(errors) if errors else "last lines:\n" + "\n".join(tail)
+        raise LaunchError(f"stage {ctx.stage!r}: {launch.processes} {launch.strategy} processes exited with code {rc}: {cause}")
+    return StageResult(**json.loads(result_path.read_text()))
+
+
+def _worker(spec_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # A long timeout: rank 0 alone evaluates and publishes at the end while the others wait; a dead rank
+    # ends the group through torchrun, not through this timeout.
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
+    cfg = PipelineConfig.model_validate(spec["config"])
+    stage = spec["stage"]
+    ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
+                       logging.getLogger(f"rlhf.{stage}"))
+    try:
+        result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
+    except BaseException as e:  # the parent names the root cause, not torchrun's summary of signals
+        (Path(spec["workdir"]) / "launch" / f"error-rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
+        raise
+    if rank == 0:
+        out = Path(spec["result"])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(result)))
+        tmp.replace(out)  # whole or absent: the parent never reads half a result
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

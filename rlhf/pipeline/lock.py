@@ -1,0 +1,127 @@
+"""One live run per run name: a lock object in the artifact store with an owner and a heartbeat.
+
+`<root>/<run>/_lock.json` holds {owner, host, pid, started, heartbeat}. A second launch of the same run
+name is refused while the heartbeat is fresh; a lock whose heartbeat is older than `stale_after`
+seconds (its run died without releasing it) is taken over, and so, at once, is a lock naming this host
+and a process id that no longer exists; every takeover is logged. Object stores have no portable
+create-if-absent, so acquisition writes, waits briefly and reads back: if another owner won the race,
+we refuse. Different run names never touch each other's locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+from rlhf.core.store import ArtifactStore
+
+LOCK = "_lock.json"
+log = logging.getLogger("rlhf.pipeline.lock")
+
+
+class RunLocked(RuntimeError):
+    pass
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+class RunLock:
+    def __init__(self, store: ArtifactStore, run: str, stale_after: float = 120.0, heartbeat_every: float = 20.0):
+        self.store, self.run = store, run
+        self.path = store.path(run, LOCK)
+        self.stale_after, self.heartbeat_every = stale_after, heartbeat_every
+        self.owner = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self, started: float) -> dict:
+        return {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "started": started,
+                "heartbeat": _now()}
+
+    def _refusal(self, current: dict) -> RunLocked:
+        started = current.get("started")
+        since = datetime.fromtimestamp(started, timezone.utc).isoformat(timespec="seconds") if isinstance(
+            started, (int, float)) and not isinstance(started, bool) and 0 <= started < 1e11 else "?"
+        return RunLocked(
+            f"run {self.run!r} is already running (host {str(current.get('host'))[:64]}, pid "
+            f"{str(current.get('pid'))[:12]}, since {since}); pick another --run-name, or wait: a lock without "
+            f"heartbeat for {self.stale_after:.0f} s is taken over"
+        )
+
+    def check(self) -> None:
+        """Raises RunLocked if a live run holds this name; takes nothing. `rlhf run` asks before it starts
+        Prefect, so a refused launch prints one line instead of a crashed flow run's traceback."""
+        current = self.store.read_json(self.path)
+        if current and self._stale_reason(current) is None:
+            raise self._refusal(current)
+
+    def acquire(self) -> None:
+        current = self.store.read_json(self.path)
+        if current and current.get("owner") != self.owner and not self._takeover(current):
+            raise self._refusal(current)
+        self.started = _now()
+        self.store.write_json(self.path, self._record(self.started))
+        time.sleep(0.2)
+        won = self.store.read_json(self.path)
+        if not won or won["owner"] != self.owner:
+            raise RunLocked(f"run {self.run!r} was claimed by another launch at the same moment")
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def _stale_reason(self, current: dict) -> str | None:
+        """Why another owner's lock may be taken over, or None: its heartbeat is older than stale_after, or
+        it names this host and a process that no longer exists (no need to wait then). The record comes
+        from a shared store: fields of the wrong type count as a stale lock."""
+        heartbeat, pid, host = current.get("heartbeat"), current.get("pid"), current.get("host")
+        if not isinstance(heartbeat, (int, float)) or not isinstance(pid, int) or isinstance(pid, bool):
+            return "it is malformed"
+        if _now() - heartbeat >= self.stale_after:
+            return f"its heartbeat is {_now() - heartbeat:.0f} s old"
+        if host == socket.gethostname() and pid > 0 and not _alive(pid):
+            return f"its process {pid} on this host is gone"
+        return None
+
+    def _takeover(self, current: dict) -> bool:
+        """Whether another owner's lock may be taken over; every takeover is logged."""
+        reason = self._stale_reason(current)
+        if reason is None:
+            return False
+        log.warning("run %r: taking over the lock of owner %s (host %s, pid %s): %s", self.run,
+                    str(current.get("owner"))[:12], str(current.get("host"))[:64], str(current.get("pid"))[:12], reason)
+        return True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_every):
+            self.store.write_json(self.path, self._record(self.started))
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        current = self.store.read_json(self.path)
+        if current and current["owner"] == self.owner:
+            self.store.fs.rm(self.path)
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

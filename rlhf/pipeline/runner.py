@@ -1,0 +1,141 @@
+"""Plain-Python stage execution: content keys, skip/resume decisions and manifests (the DAG: rlhf/core/registry.py).
+
+The Prefect flow calls `execute_stage` once per stage; tests and the REPL can call it directly.
+A stage module exposes `run(stage_cfg, ctx) -> StageResult` and never sees the skip logic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import platform
+import shutil
+import time
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from rlhf.core import codehash
+from rlhf.core.config import PipelineConfig
+from rlhf.core.models import home, model_identity
+from rlhf.core.registry import SPECS, stage_inputs
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.core.ledger import Meter
+from rlhf.core.resources import PeakRSS
+from rlhf.core.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
+from rlhf.pipeline.launch import run_stage
+
+log = logging.getLogger("rlhf.pipeline.runner")
+
+PLACEMENT = {"work_pool", "job_variables", "enabled"}  # where a stage runs: not part of its key
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
+
+
+def code_version(stage: str) -> str:
+    """Hash of the project files the stage's module and the runner import (rlhf/core/codehash.py)."""
+    return codehash.code_version(SPECS[stage].module.replace(".", "/") + ".py")
+
+
+def shared_sections(cfg: PipelineConfig, stage: str) -> dict[str, dict]:
+    """The other config sections in a stage's key, as the key hashes them and its manifest records them."""
+    return {sec: cfg.stage(sec).model_dump(mode="json", exclude=PLACEMENT) for sec in SPECS[stage].shared}
+
+
+def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> str:
+    """Hash of everything that determines the stage's outputs (not where it runs, not the run name)."""
+    payload = {
+        "stage": stage,
+        "config": cfg.stage(stage).model_dump(mode="json", exclude=PLACEMENT),
+        # sections of other stages that this one reads (the RL loop samples with the rollout settings)
+        "shared": shared_sections(cfg, stage),
+        "model": model_identity(cfg.model),
+        "data": cfg.data.model_dump(mode="json"),
+        "seed": cfg.run.seed,
+        "inputs": input_keys,
+        "code": code_version(stage),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def package_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None = None) -> dict[str, Any]:
+    """Run one stage unless a complete manifest with the same content key exists.
+
+    Returns the manifest plus a `status` of skipped / ran / resumed. A missing or different manifest
+    with a leftover attempt under the same key keeps the checkpoints (resume); a changed key clears the
+    prefix first (a changed key rewrites the prefix).
+    """
+    store = store or ArtifactStore(cfg.storage)
+    run = cfg.run.name
+    inputs = {s: store.require_manifest(run, s) for s in stage_inputs(cfg, stage)}
+    key = content_key(cfg, stage, {s: m["key"] for s, m in inputs.items()})
+    existing = store.read_manifest(run, stage)
+    if existing is not None and existing["key"] == key:
+        log.info("%s: skipped, complete with key %s", stage, key[:12])
+        return {**existing, "status": "skipped"}
+    attempt = store.read_json(store.stage_path(run, stage, ATTEMPT))
+    if existing is not None or (attempt is not None and attempt.get("key") != key):
+        log.info("%s: content key changed to %s; clearing %s", stage, key[:12], store.url(store.stage_path(run, stage)))
+        store.clear_stage(run, stage)
+    store.write_json(store.stage_path(run, stage, ATTEMPT), {"key": key, "started": _now()})
+
+    module = importlib.import_module(SPECS[stage].module)
+    stage_log = logging.getLogger(f"rlhf.{stage}")
+    workdir = home() / "work" / run / f"{stage}-{key[:16]}"
+    ctx = StageContext(cfg, store, stage, key, inputs, workdir, stage_log)
+    started, t0 = _now(), time.perf_counter()
+
+    try:
+        with PeakRSS() as rss, Meter() as meter:
+            result: StageResult = run_stage(module, cfg.stage(stage), ctx)
+    except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
+        raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
+    seconds = time.perf_counter() - t0
+    manifest = {
+        "schema_version": 1,
+        "run": run,
+        "stage": stage,
+        "key": key,
+        "code_version": code_version(stage),
+        "inputs": {s: m["key"] for s, m in inputs.items()},
+        "config": cfg.stage(stage).model_dump(mode="json"),
+        # the other sections in its key (rlhf diff explains a changed key from these parts)
+        "shared": shared_sections(cfg, stage),
+        "model": model_identity(cfg.model),
+        "data": cfg.data.model_dump(mode="json"),
+        "seed": cfg.run.seed,
+        "packages": package_versions(),
+        "outputs": result.outputs,
+        "rows": result.rows,
+        "metrics": result.metrics,
+        "resumed_from_step": result.resumed_from_step,
+        "timings": {"started": started, "finished": _now(), "seconds": round(seconds, 3), **rss.figures()},
+        "ledger": meter.figures(),  # CPU seconds, peak GPU memory, device, package-set hash (rlhf/core/ledger.py)
+    }
+    store.write_manifest(run, stage, manifest)  # last: from here on the stage counts as complete
+    # Checkpoints only serve to resume an incomplete stage; a complete one drops them (they hold the
+    # optimizer state, several times the model's size).
+    ckpt = store.stage_path(run, stage, CHECKPOINTS)
+    if store.fs.exists(ckpt):
+        store.fs.rm(ckpt, recursive=True)
+    # The local scratch (trainer output, downloaded inputs, copies on their way to the store) is worth
+    # nothing once the store holds the result; left behind it grows without bound on a long-lived worker.
+    shutil.rmtree(workdir, ignore_errors=True)
+    status = "resumed" if result.resumed_from_step else "ran"
+    log.info("%s: %s in %.1f s (key %s)", stage, status, seconds, key[:12])
+    return {**manifest, "status": status}

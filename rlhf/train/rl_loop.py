@@ -1,0 +1,593 @@
+"""One RL loop for PPO and GRPO: rollout -> reward -> logp_old, logp_ref (and values) -> advantages ->
+K epochs of clipped updates over minibatches -> experience Parquet -> checkpoint every N iterations.
+
+Algorithm differences live in one Algorithm record each (ALGORITHMS: advantages, extra loss, critic,
+reference, KL coefficient, entropy bonus), not in branches of one long method. PPO (Ouyang et al. 2022 / Ziegler et al. 2019): KL-penalised token rewards, a critic
+(token-level value head on a copy of the SFT or RM backbone), GAE, clipped value loss, fixed or
+adaptive KL coefficient. GRPO (Shao et al. 2024): G samples per prompt, group-normalised outcome
+advantages, no critic, k3 KL penalty in the loss. Both: token-level loss averaging over the minibatch,
+clip (clip-higher) and optional dual clip. Every iteration's experience is a Parquet table under
+`experience/`; resume restarts after the last complete checkpoint and never rewrites earlier tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import torch
+from trl.trainer.utils import disable_dropout_in_model
+
+from rlhf.core import dist, progress
+from rlhf.maths import rl_math
+from rlhf.engines.engine import Engine, HFEngine, SamplingParams, chat_ids
+from rlhf.engines.generation import verifier_accuracy
+from rlhf.engines.logprobs import last_logits_only, sequence_logps
+from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
+from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
+from rlhf.core.stage import StageContext, StageResult
+from rlhf.data.tasks import Task, assistant, user
+from rlhf.train.training import (
+    CRASH_ENV,
+    METRICS_SCHEMA,
+    InjectedCrash,
+    fetch_model,
+    latest_checkpoint,
+    peft_config,
+    publish_model,
+    store_checkpoint,
+    write_metrics,
+)
+
+EXPERIENCE_SCHEMA = pa.schema([
+    pa.field("iteration", pa.int64(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int64(), nullable=False),
+    pa.field("prompt", pa.string()),
+    pa.field("response", pa.string()),
+    pa.field("response_ids", pa.list_(pa.int32())),
+    pa.field("logp_rollout", pa.list_(pa.float32())),
+    pa.field("logp_old", pa.list_(pa.float32())),
+    pa.field("logp_ref", pa.list_(pa.float32())),  # null when no reference model is used (beta 0)
+    pa.field("reward", pa.float64()),
+    pa.field("advantage", pa.float64()),  # mean over the response tokens
+    pa.field("finish_reason", pa.string()),
+])
+
+
+class RLGuardError(RuntimeError):
+    """NaN/Inf or runaway KL: the stage stops; the last complete checkpoint stays intact."""
+
+
+@dataclass
+class Batch:
+    """One iteration's experience. B = prompts x samples per prompt, P = longest prompt, T = longest response."""
+
+    input_ids: torch.Tensor  # [B, P + T] left-padded prompt | right-padded response
+    attention_mask: torch.Tensor  # [B, P + T]
+    mask: torch.Tensor  # [B, T] 1 on response tokens
+    logp_rollout: torch.Tensor  # [B, T] sampler's log-probs
+    logp_old: torch.Tensor | None = None  # [B, T] policy before this iteration's updates
+    logp_ref: torch.Tensor | None = None  # [B, T] frozen reference policy
+    values: torch.Tensor | None = None  # [B, T] critic before updates (PPO)
+    advantages: torch.Tensor | None = None  # [B, T]
+    returns: torch.Tensor | None = None  # [B, T] (PPO)
+
+    def to(self, device) -> Batch:
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.mask.shape[1]
+
+
+def build_batch(prompt_ids: list[list[int]], gens, pad_id: int) -> Batch:
+    p_w, t_w = max(len(p) for p in prompt_ids), max(max(len(g.token_ids) for g in gens), 1)
+    b = len(gens)
+    ids = torch.full((b, p_w + t_w), pad_id, dtype=torch.long)
+    attn, mask, lp = torch.zeros_like(ids), torch.zeros(b, t_w), torch.zeros(b, t_w)
+    for i, (p, g) in enumerate(zip(prompt_ids, gens)):
+        n = len(g.token_ids)
+        ids[i, p_w - len(p) : p_w], attn[i, p_w - len(p) : p_w] = torch.tensor(p), 1
+        if n:
+            ids[i, p_w : p_w + n], attn[i, p_w : p_w + n], mask[i, :n] = torch.tensor(g.token_ids), 1, 1
+            lp[i, :n] = torch.tensor(g.logprobs)
+    return Batch(ids, attn, mask, lp)
+
+
+def forward(model, batch: Batch, rows, temperature: float, values: bool = False):
+    """Token log-probs (or critic values) of the response positions for the selected rows: [b, T]."""
+    ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
+    pos = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
+    p_w, t_w = batch.prompt_width, batch.mask.shape[1]
+    if values:
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+        return out.logits[:, p_w - 1 : p_w - 1 + t_w, 0].float()
+    # Only the last t_w + 1 positions predict response tokens: the prompt rows skip the vocabulary projection.
+    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **last_logits_only(model, t_w + 1))
+    logits = out.logits[:, -(t_w + 1) : -1].float() / max(temperature, 1e-6)
+    targets = ids[:, p_w:]
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits
+
+
+@torch.no_grad()
+def score_all(model, batch: Batch, temperature: float, size: int, values: bool = False) -> torch.Tensor:
+    """Log-probs (or values) of every row, [B, T]. With several ranks each scores a contiguous share of
+    the rows and the shares are gathered, so every rank holds the whole batch's numbers."""
+    model.eval()
+    rows, world = len(batch.mask), dist.world_size()
+    per = -(-rows // world)
+    lo, hi = min(dist.rank() * per, rows), min((dist.rank() + 1) * per, rows)
+    chunks = [forward(model, batch, slice(i, min(i + size, hi)), temperature, values) for i in range(lo, hi, size)]
+    mine = torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
+    if world == 1:  # no device -> CPU -> device round trip for a gather of one
+        return mine * batch.mask
+    return torch.cat([part.to(batch.mask.device) for part in dist.all_gather(mine.cpu())]) * batch.mask
+
+
+# ---- algorithm table ------------------------------------------------------------------------------
+def ppo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> None:
+    kl = rl_math.kl_k1(batch.logp_old, batch.logp_ref) if batch.logp_ref is not None else torch.zeros_like(batch.mask)
+    rewards = rl_math.kl_penalized_rewards(scores, kl, batch.mask, beta)
+    adv, batch.returns = rl_math.gae(rewards, batch.values, batch.mask, cfg.gamma, cfg.lam)
+    batch.advantages = rl_math.whiten(adv, batch.mask)
+
+
+def grpo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> None:
+    seq = rl_math.group_advantages(scores, cfg.group_size)
+    batch.advantages = seq[:, None] * batch.mask
+
+
+def grpo_extra_loss(cfg, batch: Batch, rows, logp, mask, beta):
+    if batch.logp_ref is None or cfg.beta == 0:
+        return 0.0, {}
+    k3 = rl_math.masked_mean(rl_math.kl_k3(logp, batch.logp_ref[rows], mask), mask)
+    return cfg.beta * k3, {"k3": k3}
+
+
+def ppo_uses_reference(cfg) -> bool:
+    return cfg.kl.beta > 0 or cfg.kl.mode == "adaptive"
+
+
+def ppo_next_beta(cfg, beta: float, kl: float, n_steps: int) -> float:
+    if cfg.kl.mode != "adaptive":
+        return beta
+    return rl_math.adaptive_kl_beta(beta, kl, cfg.kl.target, cfg.kl.horizon, n_steps)  # Ziegler et al. 2019
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What differs between the RL algorithms; the loop reads these fields and never tests a name."""
+
+    name: str
+    advantages: Callable  # (cfg, batch, scores, beta) -> None: sets batch.advantages (and returns)
+    extra_loss: Callable  # (cfg, batch, rows, logp, mask, beta) -> (loss term, its metrics)
+    critic: bool  # a value model is trained beside the policy
+    uses_reference: Callable  # (cfg) -> bool: a frozen reference's log-probs are needed
+    initial_beta: Callable  # (cfg) -> float: the KL coefficient at iteration 1
+    next_beta: Callable  # (cfg, beta, kl, n_steps) -> float: after each iteration (adaptive KL)
+    entropy_coef: Callable  # (cfg) -> float: weight of the entropy bonus in the loss
+
+
+ALGORITHMS = {a.name: a for a in (
+    Algorithm("ppo", ppo_advantages, lambda *a: (0.0, {}), critic=True, uses_reference=ppo_uses_reference,
+              initial_beta=lambda cfg: cfg.kl.beta, next_beta=ppo_next_beta, entropy_coef=lambda cfg: cfg.entropy_coef),
+    Algorithm("grpo", grpo_advantages, grpo_extra_loss, critic=False, uses_reference=lambda cfg: cfg.beta > 0,
+              initial_beta=lambda cfg: cfg.beta, next_beta=lambda cfg, beta, kl, n: beta, entropy_coef=lambda cfg: 0.0),
+)}
+
+
+@dataclass
+class Step:
+    """What an update needs besides the batch: the algorithm, its config, the models and their optimizers."""
+
+    algo: Algorithm
+    cfg: object
+    it: int
+    models: dict  # "policy" (and "critic")
+    optimizers: dict
+    beta: float
+    temperature: float
+    amp: Callable  # the mixed-precision context for forward passes
+
+
+# ---- rewards ----------------------------------------------------------------------------------------
+def make_reward(cfg, ctx: StageContext, task: Task):
+    """Returns reward(problems, gens) -> [B] tensor, for the configured source."""
+    rm = None
+    if cfg.reward_source in ("reward_model", "sum"):
+        from transformers import AutoModelForSequenceClassification
+
+        path = fetch_model(ctx, "reward_model")
+        rm = (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype)).to(ctx_device()),
+              load_tokenizer(path))
+    fn = import_reward_function(cfg.reward_function) if cfg.reward_source == "function" else None
+
+    def reward(problems, gens) -> torch.Tensor:
+        texts = [g.text for g in gens]
+        if fn is not None:
+            return torch.tensor(function_scores(fn, problems, texts, [g.token_ids for g in gens]))
+        total = torch.zeros(len(gens))
+        if cfg.reward_source in ("verifier", "sum"):
+            total += torch.tensor([task.score(t, p) for t, p in zip(texts, problems)])
+        if rm is not None:
+            convs = [[user(p.question), assistant(t)] for t, p in zip(texts, problems)]
+            total += torch.tensor(reward_model_scores(rm[0], rm[1], convs))
+        return total
+
+    return reward
+
+
+def load_policy(cfg, init: str, resume: Path | None, model_cfg):
+    """The trained policy: full weights, or (lora.enabled) the init model with LoRA adapters (Hu et al.
+    2021); a resume loads the checkpoint's weights or adapters."""
+    if not cfg.lora.enabled:
+        return load_causal_lm(str(resume / "policy") if resume else init, model_cfg, trained=True)
+    from peft import PeftModel, get_peft_model
+
+    base = load_causal_lm(init, model_cfg)  # frozen: stays in the compute dtype under mixed precision
+    if resume:
+        return PeftModel.from_pretrained(base, str(resume / "policy"), is_trainable=True)
+    return get_peft_model(base, peft_config(cfg))
+
+
+def reference_logps(policy, ref, batch: Batch, temperature: float, size: int) -> torch.Tensor:
+    if ref is not None:
+        return score_all(ref, batch, temperature, size)
+    with policy.disable_adapter():  # LoRA: the frozen base weights are the reference
+        return score_all(policy, batch, temperature, size)
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+def save_checkpoint(ctx, it: int, policy, critic, tok, optimizers, state: dict) -> None:
+    local = ctx.workdir / "ckpt"
+    shutil.rmtree(local, ignore_errors=True)
+    policy.save_pretrained(local / "policy", safe_serialization=True)
+    tok.save_pretrained(local / "policy")
+    if critic is not None:
+        critic.save_pretrained(local / "critic", safe_serialization=True)
+    torch.save({k: o.state_dict() for k, o in optimizers.items()}, local / "optimizer.pt")
+    (local / "state.json").write_text(json.dumps({**state, "iteration": it}))
+    store_checkpoint(ctx, local, f"iter-{it:06d}")
+    ctx.log.info("%s: checkpoint after iteration %d", ctx.stage, it)
+
+
+def make_optimizer(cfg, params):
+    if cfg.optim == "adamw_bnb_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=cfg.learning_rate)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate)
+
+
+def guard(algo: str, it: int, name: str, value: float, limit: float | None = None) -> None:
+    if not math.isfinite(value):
+        raise RLGuardError(f"{algo} iteration {it}: {name} is {value}; stopping, the last complete checkpoint is kept")
+    if limit is not None and value > limit:
+        raise RLGuardError(f"{algo} iteration {it}: {name} = {value:.3f} exceeds max_kl {limit}; stopping, "
+                           "the last complete checkpoint is kept")
+
+
+# ---- the loop ---------------------------------------------------------------------------------------
+def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
+    spec, pcfg, roll = ALGORITHMS[algo], ctx.cfg, ctx.cfg.rollout
+    init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
+    found = latest_checkpoint(ctx)
+    resume = found[1] if found else None
+    tok = load_tokenizer(init)
+    device = ctx_device()
+    policy = load_policy(cfg, init, resume, pcfg.model).to(device)
+    use_ref = spec.uses_reference(cfg)
+    # With LoRA the reference is the policy with its adapters off (`reference_logps`): no second model.
+    ref = load_causal_lm(init, pcfg.model).to(device).eval().requires_grad_(False) if use_ref and not cfg.lora.enabled else None
+    critic = None
+    if spec.critic:
+        from transformers import AutoModelForTokenClassification
+
+        base = fetch_model(ctx, "reward_model") if cfg.critic_init == "reward_model" else init
+        torch.manual_seed(pcfg.run.seed)  # the value head is randomly initialised: the same seed, the same head
+        critic = AutoModelForTokenClassification.from_pretrained(str(resume / "critic") if resume else base, num_labels=1,
+                                                                 dtype=torch_dtype(weights_dtype(pcfg.model, True))).to(device)
+        critic.config.pad_token_id = tok.pad_token_id
+    for model in (policy, critic):
+        if model is not None:
+            # No dropout (TRL's PPO does the same): the ratio pi/pi_old and the value loss must compare one
+            # function, not two random masks; it also keeps a sharded run equal to a one-process run.
+            disable_dropout_in_model(model)
+            dist.broadcast_parameters(model)  # identical replicas on every rank, as DDP would make them
+    if cfg.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        if cfg.lora.enabled:  # frozen embeddings: checkpointed blocks need inputs that require grad
+            policy.enable_input_require_grads()
+    optimizers = {"policy": make_optimizer(cfg, [p for p in policy.parameters() if p.requires_grad])}
+    if critic is not None:
+        optimizers["critic"] = make_optimizer(cfg, critic.parameters())
+    state = {"iteration": 0, "beta": spec.initial_beta(cfg)}
+    if resume:
+        for k, sd in torch.load(resume / "optimizer.pt", weights_only=True).items():
+            optimizers[k].load_state_dict(sd)
+        state = json.loads((resume / "state.json").read_text())
+        ctx.log.info("%s: resuming after iteration %d", algo, state["iteration"])
+    first = state["iteration"] + 1
+
+    task = Task(pcfg.data)
+    reward = make_reward(cfg, ctx, task)
+    engine = make_engine(ctx, policy, tok, init, resume is not None, task)
+    n_samples = cfg.samples_per_prompt()
+    t_start = time.perf_counter()
+    for it in range(first, cfg.iterations + 1):
+        t0 = time.perf_counter()
+        rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
+        problems = rng.sample(task.rl, cfg.prompts_per_iteration)
+        params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, n_samples, pcfg.run.seed * 7919 + it)
+        with autocast(pcfg.model, device.type):
+            gens, scores = generate_and_score(engine, problems, params, reward)
+        scores = scores.to(device)
+        n_sampled, reward_sampled = len(gens), scores.mean().item()
+        if getattr(cfg, "skip_uniform_groups", False):
+            gens, scores = informative(gens, scores, cfg.group_size)
+            problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
+            n_sampled += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
+            if not gens:  # every group uniform: nothing to learn from this iteration's samples
+                ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
+                             algo, it, reward_sampled)
+                if dist.is_main():
+                    write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, "trained_fraction": 0.0,
+                                                      "kl_beta": state["beta"], "seconds": time.perf_counter() - t0})
+                end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+                continue
+        probs = [problems[g.prompt_index] for g in gens]
+        prompt_ids = [chat_ids(tok, [user(p.question)]) for p in probs]
+        batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
+        with autocast(pcfg.model, device.type):
+            # the sampler's log-probs already are the pre-update policy's (config says when that holds)
+            batch.logp_old = (batch.logp_rollout * batch.mask if cfg.logp_old == "rollout"
+                              else score_all(policy, batch, roll.temperature, cfg.minibatch_size))
+            if use_ref:
+                batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
+            if critic is not None:
+                batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
+        spec.advantages(cfg, batch, scores, state["beta"])
+        kl_seq = ((rl_math.kl_k1(batch.logp_old, batch.logp_ref) * batch.mask).sum(1).mean().item()
+                  if batch.logp_ref is not None else 0.0)
+        guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
+
+        models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
+        stats = update(Step(spec, cfg, it, models, optimizers, state["beta"], roll.temperature,
+                            lambda: autocast(pcfg.model, device.type)), batch)
+        if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion
+            stats.update(logp_mismatch(batch))
+        if (diff := engine.sync(policy)) is not None:  # an engine with its own copy of the weights
+            stats["sync_max_abs_diff"] = diff
+        state["beta"] = spec.next_beta(cfg, state["beta"], kl_seq, len(gens))
+        tokens = int(batch.mask.sum())
+        seconds = time.perf_counter() - t0
+        metrics = {"reward_mean": reward_sampled, "reward_trained_mean": scores.mean().item(),
+                   "trained_fraction": len(gens) / n_sampled,
+                   "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+                   "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
+                   "tokens_per_s": tokens / seconds, "seconds": seconds, **stats}
+        if dist.is_main():
+            write_iteration(ctx, it, algo, gens, probs, batch, scores, metrics)
+        eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
+        ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
+                     metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
+        end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+
+    engine.close()
+    return finish(algo, cfg, ctx, policy, tok, task, first)
+
+
+def informative(gens: list, scores: torch.Tensor, group_size: int) -> tuple[list, torch.Tensor]:
+    """The samples and scores of the groups whose rewards are not all equal (rl_math.informative_groups)."""
+    keep = rl_math.informative_groups(scores, group_size)
+    return [g for g, k in zip(gens, keep.tolist()) if k], scores[keep]
+
+
+def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device):
+    """DAPO's dynamic sampling with refill (Yu et al. 2025, sec. 3.2): while fewer than
+    prompts_per_iteration groups are informative and refill rounds remain, sample the missing number of
+    groups on prompts this iteration has not drawn and keep their informative ones. Returns the grown
+    problem list (generations index into it), generations, scores and how many samples were drawn."""
+    drawn = 0
+    for r in range(1, cfg.refill_rounds + 1):
+        missing = cfg.prompts_per_iteration - len(gens) // cfg.group_size
+        used = {p.id for p in problems}
+        unused = [p for p in task.rl if p.id not in used]
+        if missing <= 0 or not unused:
+            break
+        extra = rng.sample(unused, min(missing, len(unused)))
+        more, more_scores = generate_and_score(engine, extra, dataclasses.replace(params, seed=params.seed + 1_000_003 * r), reward)
+        drawn += len(more)
+        more, more_scores = informative(more, more_scores.to(device), cfg.group_size)
+        gens = gens + [dataclasses.replace(g, prompt_index=g.prompt_index + len(problems)) for g in more]
+        scores = torch.cat([scores, more_scores])
+        problems = problems + extra
+    return problems, gens, scores, drawn
+
+
+def end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state) -> None:
+    """What every iteration ends with, trained or skipped: progress, the periodic checkpoint, the test hook."""
+    progress.report(ctx.stage, it, cfg.iterations)
+    if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
+        save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
+    if os.environ.get(CRASH_ENV) == f"{algo}:{it}":  # test hook, as in the Trainer stages
+        raise InjectedCrash(f"{algo}: injected crash after iteration {it} ({CRASH_ENV})")
+
+
+def logp_mismatch(batch: Batch) -> dict[str, float]:
+    """|sampler log-prob - trainer log-prob| over response tokens, before the update: 0 up to numerics
+    when both compute the same distribution (top_p < 1 renormalises the sampler's, so it is not 0 then).
+    A jump flags stale engine weights or a kernel mismatch, which bias the importance ratio."""
+    diff = (batch.logp_rollout - batch.logp_old).abs() * batch.mask
+    return {"logp_mismatch_mean": (diff.sum() / batch.mask.sum().clamp(min=1)).item(), "logp_mismatch_max": diff.max().item()}
+
+
+class SyncedVLLM:
+    """The vLLM engine of the RL loop: the policy's weights reach it through a local safetensors folder
+    after every update, and every sync is checked on a fixed probe (rlhf/engines/vllm_engine.py)."""
+
+    def __init__(self, ctx, policy, tok, init: str, stale: bool, problem):
+        from rlhf.engines.vllm_engine import make_vllm
+
+        self.ctx, self.roll = ctx, ctx.cfg.rollout
+        self.folder = ctx.workdir / "engine-weights"
+        # probe: a fixed prompt and its gold answer
+        self.probe = chat_ids(tok, [user(problem.question), assistant(problem.answer)], generation_prompt=False)
+        self.engine = make_vllm(self.roll, init, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed)
+        if stale:  # resumed: the engine started from `init`, the policy from a checkpoint
+            self.sync(policy)
+
+    def generate(self, prompts, params, shard=(0, 1), on_batch=None):
+        return self.engine.generate(prompts, params, shard, on_batch)
+
+    @torch.no_grad()
+    def sync(self, policy) -> float:
+        policy.eval()
+        policy.save_pretrained(self.folder, safe_serialization=True)
+        device = next(policy.parameters()).device
+        with autocast(self.ctx.cfg.model, device.type):  # the trainer's own numerics, mixed precision included
+            expected = sequence_logps(policy, self.probe)
+        return self.engine.sync(str(self.folder), self.probe, expected, self.roll.vllm.sync_tolerance)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def make_engine(ctx, policy, tok, init: str, resumed: bool, task: Task) -> Engine:
+    if ctx.cfg.rollout.engine == "vllm":
+        return SyncedVLLM(ctx, policy, tok, init, resumed, task.train[0])
+    return HFEngine(policy, tok, ctx.cfg.rollout.batch_size)
+
+
+def ctx_device() -> torch.device:
+    """This rank's GPU when there is one (torchrun's LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def generate_and_score(engine, problems, params: SamplingParams, reward) -> tuple[list, torch.Tensor]:
+    """Samples and rewards of the iteration, ordered by (prompt, sample). Each rank generates and scores
+    its share of the engine's batches (the engine seeds each batch by its global index, so the union
+    is the one-process output) and the shares are gathered: advantages always see whole groups."""
+    mine = engine.generate([[user(p.question)] for p in problems], params, shard=(dist.rank(), dist.world_size()))
+    mine_scores = reward([problems[g.prompt_index] for g in mine], mine).tolist() if mine else []
+    pairs = sorted((pair for part in dist.all_gather(list(zip(mine, mine_scores))) for pair in part),
+                   key=lambda pair: (pair[0].prompt_index, pair[0].sample_index))
+    return [g for g, _ in pairs], torch.tensor([score for _, score in pairs])
+
+
+def update(step: Step, batch: Batch) -> dict:
+    """K epochs over shuffled minibatches, one optimizer step each; token-level averaging within a
+    minibatch. With gradient_accumulation_steps > 1 a minibatch runs as that many micro-batches whose
+    losses are weighted by their share of its tokens: the same gradient as the whole minibatch at once.
+    With several ranks the minibatch splits into accumulation steps x ranks micro-batches, rank r takes
+    every r-th, and the gradients (and the share-weighted metrics) are summed across ranks."""
+    cfg, models, optimizers = step.cfg, step.models, step.optimizers
+    sums: dict[str, float] = {}
+    steps = 0
+    g = torch.Generator().manual_seed(step.it)
+    for model in models.values():
+        model.train()
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(batch.mask), generator=g)
+        for start in range(0, len(order), cfg.minibatch_size):
+            rows = order[start : start + cfg.minibatch_size]
+            total = batch.mask[rows].sum().clamp(min=1)
+            for opt in optimizers.values():
+                opt.zero_grad()
+            out: dict[str, float] = {}
+            world = dist.world_size()
+            for micro in rows.chunk(cfg.gradient_accumulation_steps * world)[dist.rank() :: world]:
+                share = (batch.mask[micro].sum() / total).item()
+                for k, v in micro_step(step, batch, micro, share).items():
+                    out[k] = out.get(k, 0.0) + share * v
+            if world > 1:
+                out = {k: sum(part[k] for part in dist.all_gather(out)) for k in out}
+            for name, model in models.items():
+                dist.sum_gradients([p for p in model.parameters() if p.requires_grad])
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                optimizers[name].step()
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + v
+            steps += 1
+    return {k: v / steps for k, v in sums.items()}
+
+
+def micro_step(step: Step, batch: Batch, rows, share: float) -> dict:
+    """Forward and backward of one micro-batch, its losses scaled by `share`; returns its unscaled metrics.
+    `amp()` is the mixed-precision context: forward passes only, backward outside it (PyTorch's advice)."""
+    cfg, models, name, it = step.cfg, step.models, step.algo.name, step.it
+    mask = batch.mask[rows]
+    with step.amp():
+        logp, logits = forward(models["policy"], batch, rows, step.temperature)
+    pg, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
+                                      cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
+    loss = rl_math.masked_mean(pg, mask)
+    extra, extra_m = step.algo.extra_loss(cfg, batch, rows, logp, mask, step.beta)
+    loss = loss + extra
+    entropy = rl_math.masked_mean(rl_math.entropy_from_logits(logits.detach()), mask)
+    if (coef := step.algo.entropy_coef(cfg)) > 0:
+        loss = loss - coef * rl_math.masked_mean(rl_math.entropy_from_logits(logits), mask)
+    guard(name, it, "policy loss", loss.item())
+    guard(name, it, "ratio", m["ratio_mean"].item())
+    (share * loss).backward()
+    out = {"policy_loss": loss.item(), "entropy": entropy.item(), **{k: v.item() for k, v in {**m, **extra_m}.items()}}
+    if "critic" in models:
+        with step.amp():
+            v = forward(models["critic"], batch, rows, step.temperature, values=True)
+        vl = rl_math.masked_mean(rl_math.clipped_value_loss(v, batch.values[rows], batch.returns[rows], cfg.value_clip), mask)
+        guard(name, it, "value loss", vl.item())
+        (share * cfg.vf_coef * vl).backward()
+        out["value_loss"] = vl.item()
+    return out
+
+
+def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -> None:
+    def tok_list(t, i):
+        return None if t is None else t[i, : len(gens[i].token_ids)].tolist()
+
+    rows = [{
+        "iteration": it, "prompt_id": probs[i].id, "sample_index": g.sample_index, "prompt": probs[i].question,
+        "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "logp_old": tok_list(batch.logp_old, i),
+        "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]),
+        "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
+    } for i, g in enumerate(gens)]
+    ctx.store.write_table(ctx.path("experience", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(rows, schema=EXPERIENCE_SCHEMA), EXPERIENCE_SCHEMA)
+    write_metrics_row(ctx, it, algo, metrics)
+
+
+def write_metrics_row(ctx, it: int, algo: str, metrics: dict) -> None:
+    m = [{"stage": algo, "step": it, "epoch": None, "name": k, "value": float(v)} for k, v in metrics.items()]
+    ctx.store.write_table(ctx.path("iterations", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(m, schema=METRICS_SCHEMA), METRICS_SCHEMA)
+
+
+def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
+    if not dist.is_main():  # rank 0 evaluates and publishes; the launcher uses its result only
+        return StageResult(outputs={})
+    tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in sorted(ctx.store.fs.glob(ctx.path("iterations", "*.parquet")))]
+    table = pa.concat_tables(tables)
+    last = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == cfg.iterations}
+    first_it = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == 1}
+    metrics = {f"{algo}/{k}": v for k, v in last.items()}
+    metrics[f"{algo}/reward_mean_first"] = first_it.get("reward_mean", float("nan"))
+    held_out = task.eval[: cfg.eval_prompts]
+    if held_out:
+        metrics[f"{algo}/accuracy"] = verifier_accuracy(policy, tok, task, held_out, cfg.eval_max_new_tokens)
+        ctx.log.info("%s: policy held-out accuracy %.3f", algo, metrics[f"{algo}/accuracy"])
+    outputs = {"model": publish_model(ctx, policy, tok), "metrics": write_metrics(ctx, table), "experience": "experience/"}
+    return StageResult(outputs=outputs, rows={"iterations": cfg.iterations, "rollouts": cfg.iterations * cfg.rollouts_per_iteration()},
+                       metrics=metrics, resumed_from_step=first - 1 if first > 1 else None)
