@@ -22,6 +22,33 @@ from rlhf.core.registry import NAMES as STAGES
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "pipeline.yaml"
 
+# Under pytest-xdist (the README's test command runs 3 workers) each worker gets its own Prefect home
+# (the temporary API's SQLite database) and its own RLHF_HOME scratch (two workers running the same tiny
+# stage compute the same content key, hence the same scratch folder), all sharing one converted-model
+# cache (conversions publish atomically, so concurrent converters are safe).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    _base = Path(os.environ.get("RLHF_HOME") or Path.home() / ".cache" / "rlhf").expanduser()
+    _home = _base / "xdist" / WORKER
+    (_base / "models").mkdir(parents=True, exist_ok=True)
+    _home.mkdir(parents=True, exist_ok=True)
+    if not (_home / "models").is_symlink():
+        (_home / "models").symlink_to(_base / "models")
+    os.environ["RLHF_HOME"] = str(_home)
+    os.environ["PREFECT_HOME"] = str(_home / "prefect")
+
+# Files with the longest waits first (Prefect heartbeat windows, the vLLM environment's build, RL runs):
+# with workers, their idle time then overlaps the rest of the suite instead of trailing it.
+LONGEST_FIRST = ("test_orchestration.py", "test_vllm.py", "test_rl.py", "test_flow.py", "test_store.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a file is kept
+
 
 def _free_port() -> int:
     """A port that is free, and whose +10000 gRPC twin is free too (SeaweedFS opens both)."""
@@ -133,8 +160,6 @@ def tiny_cfg(tmp_path):
         return load_config(CONFIG, "tiny", [f"storage.url={storage or tmp_path / 'artifacts'}", *overrides])
 
     return make
-
-
 
 
 def only(*stages: str) -> list[str]:
