@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+import flows.rlhf
 from conftest import CONFIG, run_cli
 from rlhf.ops.cli import app
 from rlhf.core.config import PipelineConfig
@@ -68,7 +69,8 @@ CASES = [
     ("both-pairs", ["data.prefs_path={prefs.jsonl}"], [], None, {"prefs.jsonl": LINE}, "preferences.enabled: data.prefs_path is set too"),
     ("tiny-heads", ["model.name=tiny", "model.tiny.num_heads=3"], [], None, {}, "model.tiny.hidden_size: must be divisible by num_heads (3), got 64"),
     ("rm-needs-sft", ["sft.enabled=false"], [], None, {}, "reward_model.init_from: 'sft' needs sft.enabled: true"),
-    ("dpo-length", ["dpo.max_length=64"], [], None, {}, "dpo.max_length: must equal ref_logprobs.max_length (128)"),
+    ("dpo-length", ["dpo.max_length=64", "ref_logprobs.max_length=128"], [], None, {},
+     "dpo.max_length: must equal ref_logprobs.max_length (128)"),
     ("eval-policy-off", ["eval.policies=[sft, ppo]"], [], None, {}, "eval.policies: 'ppo' needs ppo.enabled: true"),
     ("eval-one-policy", ["eval.policies=[sft]"], [], None, {}, "eval.policies: need at least two distinct policies"),
     ("reward-fn", ["grpo.reward_source=function"], [], None, {}, "grpo.reward_function: set it exactly when reward_source is 'function'"),
@@ -118,7 +120,7 @@ CASES = [
     ("unknown-profile", [], ["--profile", "huge"], None, {}, "profile: unknown profile 'huge'; available: default, tiny"),
     ("config-missing", [], ["-c", "/no/such/pipeline.yaml"], None, {}, "/no/such/pipeline.yaml: invalid configuration"),
     ("set-syntax", ["sft.learning_rate"], [], None, {}, "expected key.path=value"),
-    ("set-into-value", ["sft.learning_rate.x=1"], [], None, {}, "sft.learning_rate: is a value, not a section"),
+    ("set-into-value", ["grpo.learning_rate.x=1"], [], None, {}, "grpo.learning_rate: is a value, not a section"),
 ]
 
 
@@ -126,8 +128,10 @@ RUNS = [(c, cmd) for c in CASES for cmd in ("validate", "run") if not (cmd == "r
 
 
 @pytest.mark.parametrize("case, command", RUNS, ids=[f"{c[0]}-{cmd}" for c, cmd in RUNS])
-def test_bad_input_exits_2_naming_what_is_wrong(tmp_path, case, command):
+def test_bad_input_exits_2_naming_what_is_wrong(tmp_path, monkeypatch, case, command):
     name, overrides, extra, config_text, files, expected = case
+    # a tripwire, not a mock: a case that stops being refused must fail here, not run the default pipeline
+    monkeypatch.setattr(flows.rlhf, "execute_stage", lambda cfg, stage, *a: pytest.fail(f"{name} reached stage {stage}"))
     data = {n: (c(tmp_path) if callable(c) else write(tmp_path, n, c)) for n, c in files.items()}
     store = tmp_path / "store"
     args = [command]

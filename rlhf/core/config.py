@@ -146,6 +146,12 @@ class DataConfig(Strict):
         return self
 
 
+class TrackingConfig(Strict):
+    # Experiment trackers that also receive params, per-step and final metrics (the store keeps them anyway):
+    # tensorboard writes event files to <stage>/tensorboard/ in the store. Not part of any content key.
+    backends: list[Literal["tensorboard"]] = Field(default_factory=list)
+
+
 class StorageConfig(Strict):
     # A local folder (relative paths are resolved against pipeline.yaml's folder) or s3://bucket/prefix.
     # S3 credentials come from the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), never from here.
@@ -541,6 +547,7 @@ class PipelineConfig(Strict):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     storage: StorageConfig = StorageConfig()
+    tracking: TrackingConfig = TrackingConfig()
     sft: SFTConfig = SFTConfig()
     reward_model: RewardModelConfig = RewardModelConfig()
     ref_logprobs: RefLogprobsConfig = RefLogprobsConfig()

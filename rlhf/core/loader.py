@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlhf.core.config import ConfigError, PipelineConfig, StorageConfig  # noqa: F401 (ConfigError: importers know it from here)
+from rlhf.core import tracking
 from rlhf.core.registry import of_kind
 
 _PREFIXED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.S)
@@ -227,7 +228,7 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
     cfg = validate(raw, str(path))
-    problems = local_path_problems(cfg)
+    problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking.backends)
     if problems:
         raise ConfigError(str(path), problems)
     return cfg

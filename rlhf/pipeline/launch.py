@@ -26,6 +26,7 @@ from pathlib import Path
 
 from rlhf.core.config import LaunchConfig, PipelineConfig
 from rlhf.core.models import resolve_model
+from rlhf.core import tracking
 from rlhf.core.registry import SPECS
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.core.store import ArtifactStore
@@ -101,8 +102,9 @@ def _worker(spec_path: str) -> None:
     stage = spec["stage"]
     ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
                        logging.getLogger(f"rlhf.{stage}"))
-    try:
-        result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
+    try:  # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
+        with tracking.stage_tracker(cfg.tracking.backends, ctx.workdir / tracking.FOLDER, enabled=rank == 0):
+            result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
     except BaseException as e:  # the parent names the root cause, not torchrun's summary of signals
         (Path(spec["workdir"]) / "launch" / f"error-rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
         raise

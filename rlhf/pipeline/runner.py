@@ -17,10 +17,10 @@ from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from rlhf.core import codehash
+from rlhf.core import codehash, tracking
 from rlhf.core.config import PipelineConfig
 from rlhf.core.models import home, model_identity
-from rlhf.core.registry import SPECS, stage_inputs
+from rlhf.core.registry import SPECS, output_path, stage_inputs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.core.ledger import Meter
 from rlhf.core.resources import PeakRSS
@@ -100,9 +100,18 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     ctx = StageContext(cfg, store, stage, key, inputs, workdir, stage_log)
     started, t0 = _now(), time.perf_counter()
 
+    record = {"key": key, "inputs": {s: m["key"] for s, m in inputs.items()}, "config": cfg.stage(stage).model_dump(mode="json"),
+              "shared": shared_sections(cfg, stage), "model": model_identity(cfg.model), "data": cfg.data.model_dump(mode="json"),
+              "seed": cfg.run.seed}
+    tb_dir = workdir / tracking.FOLDER
     try:
-        with PeakRSS() as rss, Meter() as meter:
+        with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking.backends, tb_dir) as tracker:
+            tracker.text(f"{stage}/params", record)
             result: StageResult = run_stage(module, cfg.stage(stage), ctx)
+            tracker.log(0, {f"final/{k}": v for k, v in result.metrics.items()})
+            tracker.text(f"{stage}/outputs", {n: store.url(output_path(store, run, stage, n, rel)) for n, rel in result.outputs.items()})
+        if cfg.tracking.backends and tb_dir.is_dir():  # before the manifest: a stage without one is incomplete
+            store.put_dir(tb_dir, ctx.path(tracking.FOLDER))
     except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
         raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
     seconds = time.perf_counter() - t0
@@ -110,15 +119,8 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         "schema_version": 1,
         "run": run,
         "stage": stage,
-        "key": key,
+        **record,  # key, inputs, config, the other sections in its key (rlhf diff explains a key from them), ...
         "code_version": code_version(stage),
-        "inputs": {s: m["key"] for s, m in inputs.items()},
-        "config": cfg.stage(stage).model_dump(mode="json"),
-        # the other sections in its key (rlhf diff explains a changed key from these parts)
-        "shared": shared_sections(cfg, stage),
-        "model": model_identity(cfg.model),
-        "data": cfg.data.model_dump(mode="json"),
-        "seed": cfg.run.seed,
         "packages": package_versions(),
         "outputs": result.outputs,
         "rows": result.rows,

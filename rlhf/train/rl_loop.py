@@ -27,7 +27,7 @@ import pyarrow as pa
 import torch
 from trl.trainer.utils import disable_dropout_in_model
 
-from rlhf.core import dist, progress
+from rlhf.core import dist, progress, tracking
 from rlhf.maths import rl_math
 from rlhf.engines.engine import Engine, HFEngine, SamplingParams, chat_ids
 from rlhf.engines.generation import verifier_accuracy
@@ -571,6 +571,7 @@ def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -
 
 
 def write_metrics_row(ctx, it: int, algo: str, metrics: dict) -> None:
+    tracking.current().log(it, {f"{algo}/{k}": v for k, v in metrics.items()})
     m = [{"stage": algo, "step": it, "epoch": None, "name": k, "value": float(v)} for k, v in metrics.items()]
     ctx.store.write_table(ctx.path("iterations", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(m, schema=METRICS_SCHEMA), METRICS_SCHEMA)
 

@@ -24,7 +24,7 @@ import transformers
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from rlhf.core import dist, progress
+from rlhf.core import dist, progress, tracking
 from rlhf.core.config import LaunchConfig, TrainerOptions
 from rlhf.core.store import CHECKPOINTS, COMPLETE
 
@@ -139,6 +139,8 @@ class ProgressAndMetrics(TrainerCallback):
         for name, value in logs.items():
             if isinstance(value, (int, float)):
                 self.rows.append({"stage": self.stage, "step": step, "epoch": state.epoch, "name": name, "value": float(value)})
+        if state.is_world_process_zero:
+            tracking.current().log(step, {f"{self.stage}/{name}": value for name, value in logs.items()})
         elapsed = time.perf_counter() - self.t0
         done = max(step - self.first_step, 1)
         eta = elapsed / done * (state.max_steps - step)
