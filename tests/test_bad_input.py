@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import flows.rlhf
+import flows.rlhf_flow
 from conftest import CONFIG, run_cli
 from rlhf.ops.cli import app
 from rlhf.core.config import PipelineConfig
@@ -131,7 +131,7 @@ RUNS = [(c, cmd) for c in CASES for cmd in ("validate", "run") if not (cmd == "r
 def test_bad_input_exits_2_naming_what_is_wrong(tmp_path, monkeypatch, case, command):
     name, overrides, extra, config_text, files, expected = case
     # a tripwire, not a mock: a case that stops being refused must fail here, not run the default pipeline
-    monkeypatch.setattr(flows.rlhf, "execute_stage", lambda cfg, stage, *a: pytest.fail(f"{name} reached stage {stage}"))
+    monkeypatch.setattr(flows.rlhf_flow, "execute_stage", lambda cfg, stage, *a: pytest.fail(f"{name} reached stage {stage}"))
     data = {n: (c(tmp_path) if callable(c) else write(tmp_path, n, c)) for n, c in files.items()}
     store = tmp_path / "store"
     args = [command]

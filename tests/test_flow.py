@@ -107,7 +107,7 @@ def test_progress_reaches_a_prefect_progress_artifact():
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.rlhf import ProgressArtifact
+    from flows.rlhf_flow import ProgressArtifact
     from rlhf.core import progress
 
     @flow

@@ -111,3 +111,9 @@ def test_the_checks_see_a_violation(tmp_path, monkeypatch):
         (tmp_path / rel).write_text("")
     monkeypatch.setitem(globals(), "REPO", tmp_path)
     assert imports("rlhf/maths/x.py") == ({"rlhf/pipeline/runner.py"}, {"typing"})
+
+
+def test_no_flow_file_is_named_like_a_package_of_ours():
+    # Prefect loads a deployment's entrypoint as a module named after its file: flows/rlhf.py would become
+    # `rlhf` in the flow-run process and hide every rlhf.* module not imported yet
+    assert {p.stem for p in (REPO / "flows").glob("*.py")} & {"rlhf", "stages", "flows"} == set()

@@ -175,7 +175,7 @@ def test_gradient_accumulation_gives_the_same_gradient():
     from rlhf.core.config import GRPOConfig, ModelConfig
     from rlhf.engines.engine import Generation
     from rlhf.core.models import load_causal_lm, resolve_model
-    from rlhf.train.rl_loop import ALGORITHMS, build_batch, score_all, update
+    from rlhf.train.rl_loop import ALGORITHMS, Step, build_batch, score_all, update
 
     g = torch.Generator().manual_seed(0)
     lengths = [1, 3, 5, 2, 8, 4, 6, 7]
@@ -191,7 +191,7 @@ def test_gradient_accumulation_gives_the_same_gradient():
         batch.logp_old = score_all(model, batch, 1.0, 8) - 0.05 * batch.mask  # ratios away from 1
         batch.advantages = torch.randn(8, 1, generator=torch.Generator().manual_seed(1)) * batch.mask
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # leaves the accumulated .grad in place
-        stats = update("grpo", ALGORITHMS["grpo"], cfg, 1, model, None, {"policy": optimizer}, batch, 0.0, 1.0, nullcontext)
+        stats = update(Step(ALGORITHMS["grpo"], cfg, 1, {"policy": model}, {"policy": optimizer}, 0.0, 1.0, nullcontext), batch)
         grads[acc] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats)
     (one, s1), (four, s4) = grads[1], grads[4]
     assert one.keys() == four.keys() and any(v.abs().sum() > 0 for v in one.values())

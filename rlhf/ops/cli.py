@@ -108,7 +108,7 @@ def run(
     from rlhf.pipeline.supervise import fork_supervised
 
     fork_supervised()  # before Prefect and torch start threads: the flow runs in a child that dies with us
-    from flows.rlhf import rlhf
+    from flows.rlhf_flow import rlhf
 
     try:
         results = rlhf(config_path=str(config.resolve()), profile=profile, overrides=overrides)
@@ -146,7 +146,7 @@ def deploy(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "def
     PREFECT_API_URL names (a cluster's), without starting anything locally. Workers need
     PREFECT_FLOWS_HEARTBEAT_FREQUENCY set to the same heartbeat."""
     cfg, _, _ = _load_or_exit(config, profile, set_ or [])
-    from flows.rlhf import deploy as register
+    from flows.rlhf_flow import deploy as register
 
     register(cfg.model_dump(mode="json"), str(config.resolve()), heartbeat_seconds, source)
     typer.echo(f"registered rlhf/full and rlhf-stage/<stage> on {os.environ.get('PREFECT_API_URL', 'the active profile')}")

@@ -114,7 +114,7 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
 def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heartbeat_seconds: int) -> None:
     """Registered in a child process so that PREFECT_API_URL applies from Prefect's first import."""
     code = (
-        "import sys, json; from flows.rlhf import deploy; "
+        "import sys, json; from flows.rlhf_flow import deploy; "
         "deploy(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"
     )
     env = {**os.environ, "PREFECT_API_URL": api}

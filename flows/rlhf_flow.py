@@ -3,6 +3,9 @@
 Tasks receive the resolved config (a small dict) and pass artifact references, never tensors or
 models, so a task can run in another process or on another work pool and read the same artifacts from
 the store. Skips, resumes and runs are decided by rlhf.pipeline.runner.execute_stage.
+
+Not `flows/rlhf.py`: Prefect loads a deployment's entrypoint as a module named after its file, so a file
+named rlhf.py would replace the `rlhf` package in the flow-run process (tests/test_layers.py checks).
 """
 
 from __future__ import annotations
@@ -253,13 +256,13 @@ def deploy(config: dict, config_path: str, heartbeat_seconds: int = 30, source: 
 
     cfg = validate(config, "deploy")
     repo = source or str(Path(__file__).resolve().parent.parent)  # a path the workers see, or a git URL
-    rlhf.from_source(source=repo, entrypoint="flows/rlhf.py:rlhf").deploy(
+    rlhf.from_source(source=repo, entrypoint="flows/rlhf_flow.py:rlhf").deploy(
         name="full", work_pool_name=cfg.run.work_pool, parameters={"config_path": config_path, "dispatch": True},
         print_next_steps=False,
     )
     for stage in STAGES:
         placement = cfg.stage(stage)
-        rlhf_stage.from_source(source=repo, entrypoint="flows/rlhf.py:rlhf_stage").deploy(
+        rlhf_stage.from_source(source=repo, entrypoint="flows/rlhf_flow.py:rlhf_stage").deploy(
             name=stage, work_pool_name=cfg.work_pool(stage), job_variables=dict(placement.job_variables),
             print_next_steps=False,
         )
