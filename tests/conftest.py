@@ -42,6 +42,12 @@ if WORKER:
 LONGEST_FIRST = ("test_orchestration.py", "test_vllm.py", "test_rl.py", "test_flow.py", "test_store.py")
 
 
+def pytest_configure(config):
+    # xdist would otherwise send the files with the most tests first, and the one-test orchestration file last
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items):
     def rank(item) -> int:
         name = item.path.name
