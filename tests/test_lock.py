@@ -73,7 +73,7 @@ def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     lock = tmp_path / "dup" / "_lock.json"
     deadline = time.time() + 120
     while not lock.exists():
-        assert first.poll() is None and time.time() < deadline, "the first run never took its lock"
+        assert first.poll() is None and time.time() < deadline, f"the first run never took its lock: {first.stderr.read()[-3000:] if first.poll() is not None else ''}"
         time.sleep(0.2)
     second = subprocess.run([exe, *common, "--run-name", "dup"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     other = subprocess.run([exe, *common, "--run-name", "other"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -105,6 +105,9 @@ def run(
         raise typer.Exit(2) from None
     # The temporary local API needs no telemetry (and there is no network to send it to).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect waits 20 s for it to start; on a busy 2-core machine (the test suite's parallel workers)
+    # it can take longer, and the run would fail before its first stage.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from rlhf.pipeline.supervise import fork_supervised
 
     fork_supervised()  # before Prefect and torch start threads: the flow runs in a child that dies with us
