@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.core.models import home
 from rlhf.core.registry import NAMES as STAGES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,7 +29,7 @@ CONFIG = REPO / "pipeline.yaml"
 # cache (conversions publish atomically, so concurrent converters are safe).
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER:
-    _base = Path(os.environ.get("RLHF_HOME") or Path.home() / ".cache" / "rlhf").expanduser()
+    _base = home()
     _home = _base / "xdist" / WORKER
     (_base / "models").mkdir(parents=True, exist_ok=True)
     _home.mkdir(parents=True, exist_ok=True)

@@ -78,10 +78,10 @@ def current() -> Tracker:
 
 
 @contextmanager
-def stage_tracker(backends: list[str], logdir: Path, enabled: bool = True) -> Iterator[Tracker]:
+def stage_tracker(backends: list[str], logdir: Path) -> Iterator[Tracker]:
     """Makes a tracker this process's current one for the duration of a stage."""
     global _current
-    tracker = Tracker(backends if enabled else [], logdir)
+    tracker = Tracker(backends, logdir)
     previous, _current = _current, tracker
     try:
         yield tracker

@@ -103,7 +103,7 @@ def _worker(spec_path: str) -> None:
     ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
                        logging.getLogger(f"rlhf.{stage}"))
     try:  # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
-        with tracking.stage_tracker(cfg.tracking.backends, ctx.workdir / tracking.FOLDER, enabled=rank == 0):
+        with tracking.stage_tracker(cfg.tracking.backends if rank == 0 else [], ctx.workdir / tracking.FOLDER):
             result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
     except BaseException as e:  # the parent names the root cause, not torchrun's summary of signals
         (Path(spec["workdir"]) / "launch" / f"error-rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")

@@ -311,6 +311,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         policy.gradient_checkpointing_enable()
         if cfg.lora.enabled:  # frozen embeddings: checkpointed blocks need inputs that require grad
             policy.enable_input_require_grads()
+    models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
     optimizers = {"policy": make_optimizer(cfg, [p for p in policy.parameters() if p.requires_grad])}
     if critic is not None:
         optimizers["critic"] = make_optimizer(cfg, critic.parameters())
@@ -364,7 +365,6 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                   if batch.logp_ref is not None else 0.0)
         guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
 
-        models = {"policy": policy, **({"critic": critic} if critic is not None else {})}
         stats = update(Step(spec, cfg, it, models, optimizers, state["beta"], roll.temperature,
                             lambda: autocast(pcfg.model, device.type)), batch)
         if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion

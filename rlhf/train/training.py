@@ -139,8 +139,7 @@ class ProgressAndMetrics(TrainerCallback):
         for name, value in logs.items():
             if isinstance(value, (int, float)):
                 self.rows.append({"stage": self.stage, "step": step, "epoch": state.epoch, "name": name, "value": float(value)})
-        if state.is_world_process_zero:
-            tracking.current().log(step, {f"{self.stage}/{name}": value for name, value in logs.items()})
+        tracking.current().log(step, {f"{self.stage}/{name}": value for name, value in logs.items()})  # rank 0's only
         elapsed = time.perf_counter() - self.t0
         done = max(step - self.first_step, 1)
         eta = elapsed / done * (state.max_steps - step)
