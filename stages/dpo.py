@@ -6,6 +6,8 @@ option to accept user-supplied reference log-probs (its DPOConfig has none; chec
 precompute_ref_log_probs=True it builds no reference model, and `CachedRefDPOTrainer` makes its
 precompute step return the dataset unchanged because the columns are already there. trl is pinned
 (pyproject.toml) and tests/test_dpo.py fails if a reference model is ever built.
+With `rounds: N > 1`, iterative DPO: each later round samples, judges and pairs the current policy and
+trains again (rlhf/train/dpo_rounds.py); per-round figures are `dpo/round_<r>/...` metrics.
 Outputs: `model/`, `metrics.parquet`; held-out verifier accuracy in the manifest metrics.
 """
 
@@ -19,8 +21,9 @@ from rlhf.engines.logprobs import CompletionOnlyScoring
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.train.training import TrainerRun, fetch_model, trainer_kwargs
+from rlhf.train.dpo_rounds import finish_round, finished_rounds, read_round_metrics, round_data, round_metrics, round_model_dir
 from rlhf.train.refcache import REF_LOGPS_SCHEMA
+from rlhf.train.training import TrainerRun, fetch_model, trainer_kwargs
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -51,15 +54,55 @@ def with_reference(rows: list[dict], ref_rows: list[dict]) -> tuple[list[dict], 
 
 def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, _ = stage_pairs(ctx)
-    ref_table = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA)
-    train_rows, unmatched = with_reference(rows, ref_table.select(["pair_id", *REF_COLUMNS]).to_pylist())
     init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)
-    model = load_causal_lm(init, pcfg.model, trained=not cfg.lora.enabled)
+    done = finished_rounds(ctx, cfg.rounds)  # > 0 only when a multi-round run resumes
+    start = round_model_dir(ctx, done[-1]["round"]) if done else init
+    model = load_causal_lm(start, pcfg.model, trained=not cfg.lora.enabled)
+    metrics: dict[str, float] = {}
+    for record in done:
+        metrics.update(round_metrics(record))
+    history = [row for record in done for row in read_round_metrics(ctx, record["round"])]
+    offset = sum(record["steps"] for record in done)
+    rows_out: dict[str, int] = {}
+    resumed = None  # the stage step this attempt resumed from (finished rounds plus a checkpoint)
 
-    tr = TrainerRun.start(ctx)
-    args = TRLDPOConfig(
+    for r in range(len(done) + 1, cfg.rounds + 1):
+        if r == 1:
+            rows, _ = stage_pairs(ctx)
+            ref_rows = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA).to_pylist()
+            data = {"pairs": len(rows)}
+        else:
+            rows, ref_rows, data = round_data(cfg, ctx, model, tokenizer, r)
+        train_rows, unmatched = with_reference(rows, [{k: row[k] for k in ("pair_id", *REF_COLUMNS)} for row in ref_rows])
+        rows_out = {"train_pairs": len(train_rows), "without_reference": unmatched}
+        tr = TrainerRun.start(ctx, step_offset=offset)
+        if r == len(done) + 1 and (done or tr.resumed_from_step):
+            resumed = offset + (tr.resumed_from_step or 0)
+        trainer = tr.build(CachedRefDPOTrainer, model, trainer_args(cfg, tr, pcfg), train_rows, tokenizer, cfg)
+        if trainer.ref_model is not None:  # guards the TRL behaviour this stage depends on
+            raise RuntimeError("DPOTrainer built a reference model although cached reference log-probs were supplied")
+        result = tr.train(trainer)
+        steps = int(trainer.state.global_step)
+        last = {r_["name"]: r_["value"] for r_ in tr.progress.rows if r_["name"].startswith("rewards/")}
+        metrics.update({"dpo/train_loss": float(result.training_loss), "dpo/steps": float(offset + steps),
+                        **{f"dpo/{k}": v for k, v in last.items()}})
+        if r == cfg.rounds:
+            tr.progress.rows[:0] = history
+            outputs = tr.publish_policy(trainer, tokenizer, cfg, metrics)
+            if cfg.rounds > 1:
+                metrics.update(round_metrics({**data, "round": r, "steps": steps, "accuracy": metrics.get("dpo/accuracy")}))
+            return StageResult(outputs=outputs, rows=rows_out, metrics=metrics, resumed_from_step=resumed)
+        model = trainer.model.merge_and_unload() if cfg.lora.enabled else trainer.model
+        record = finish_round(ctx, cfg, r, model, tokenizer, tr.progress.table(), steps, data)
+        metrics.update(round_metrics(record))
+        history += tr.progress.rows
+        offset += steps
+    raise AssertionError("unreachable: the last round returns")
+
+
+def trainer_args(cfg: DPOConfig, tr: TrainerRun, pcfg) -> TRLDPOConfig:
+    return TRLDPOConfig(
         **trainer_kwargs(cfg, tr.out_dir, pcfg.run.seed, pcfg.model.dtype),
         max_length=cfg.max_length,
         truncation_mode="keep_start",
@@ -68,19 +111,4 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
         loss_weights=[1.0, cfg.nll_weight] if cfg.nll_weight > 0 else None,
         label_smoothing=cfg.label_smoothing,
         precompute_ref_log_probs=True,  # with the override above: no reference model is built or run
-    )
-    trainer = tr.build(CachedRefDPOTrainer, model, args, train_rows, tokenizer, cfg)
-    if trainer.ref_model is not None:  # guards the TRL behaviour this stage depends on
-        raise RuntimeError("DPOTrainer built a reference model although cached reference log-probs were supplied")
-    result = tr.train(trainer)
-    metrics = {"dpo/train_loss": float(result.training_loss), "dpo/steps": float(trainer.state.global_step)}
-    last = {r["name"]: r["value"] for r in tr.progress.rows if r["name"].startswith("rewards/")}
-    metrics.update({f"dpo/{k}": v for k, v in last.items()})
-
-    outputs = tr.publish_policy(trainer, tokenizer, cfg, metrics)
-    return StageResult(
-        outputs=outputs,
-        rows={"train_pairs": len(train_rows), "without_reference": unmatched},
-        metrics=metrics,
-        resumed_from_step=tr.resumed_from_step,
     )

@@ -13,40 +13,23 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from rlhf.core import progress
 from rlhf.core.config import RefLogprobsConfig
 from rlhf.engines import logprobs
-from rlhf.engines.logprobs import TokenizedPair, pair_logps, tokenize_pair
+from rlhf.train import refcache
+from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, read_entry, reference_key, screen, write_entry
+from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, read_entry, ref_table, reference_key, screen, write_entry
 from rlhf.train.training import fetch_model
 
 
 def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
-    code = [Path(__file__), Path(logprobs.__file__)]  # the stage and the maths it runs
+    code = [Path(__file__), Path(logprobs.__file__), Path(refcache.__file__)]  # the stage, the maths, the table
     return reference_key(model_dir, rows, dtype, code, max_length=cfg.max_length, per_token=cfg.per_token)
-
-
-def to_table(pairs: list[TokenizedPair], out) -> pa.Table:
-    per_token = out.chosen_per_token is not None
-    return pa.Table.from_pydict(
-        {
-            "pair_id": [p.pair_id for p in pairs],
-            "ref_chosen_logps": out.chosen.tolist(),
-            "ref_rejected_logps": out.rejected.tolist(),
-            "prompt_tokens": [len(p.prompt_ids) for p in pairs],
-            "chosen_tokens": out.chosen_tokens.tolist(),
-            "rejected_tokens": out.rejected_tokens.tolist(),
-            "ref_chosen_token_logps": out.chosen_per_token if per_token else [None] * len(pairs),
-            "ref_rejected_token_logps": out.rejected_per_token if per_token else [None] * len(pairs),
-        },
-        schema=REF_LOGPS_SCHEMA,
-    )
 
 
 def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
@@ -78,7 +61,7 @@ def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
         seconds = time.perf_counter() - t0
         metrics.update({"ref_logprobs/cache_hit": 0.0, "ref_logprobs/seconds": seconds,
                         "ref_logprobs/tokens_per_s": tokens[0] / seconds})
-        table = to_table(pairs, out)
+        table = ref_table(pairs, out)
         write_entry(ctx, entry, key, table, REF_LOGPS_SCHEMA)
     ctx.store.write_table(ctx.path(TABLE), table, REF_LOGPS_SCHEMA)
     return StageResult(

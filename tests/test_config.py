@@ -162,9 +162,13 @@ def test_bad_run_names_are_refused_not_ignored(name, tmp_path):
 
 def test_run_names_stay_strings(tmp_path):
     """`--run-name 123` or `2024-01-01` is the name as typed, not a YAML number or date."""
-    for name in ("123", "2024-01-01"):
-        proc = run_cli("report", name, "--set", f"storage.url={tmp_path}", "--out", str(tmp_path / name))
-        assert "run.name" not in proc.stderr, proc.stderr
+    from typer.testing import CliRunner
+
+    from rlhf.ops.cli import app
+
+    for name in ("123", "2024-01-01"):  # in-process: the same typer parsing as the console command
+        result = CliRunner().invoke(app, ["report", name, "--set", f"storage.url={tmp_path}", "--out", str(tmp_path / name)])
+        assert "run.name" not in result.output, result.output
 
 
 def test_derived_batch_counts_every_process():

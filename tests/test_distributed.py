@@ -66,6 +66,7 @@ def weights(url: str, stage: str = "sft") -> dict[str, torch.Tensor]:
     return load_file(str(Path(url) / "tiny" / stage / "model" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_process_sft_equals_one_process_with_accumulation_and_resumes(tmp_path, write_log, monkeypatch):
     one = str(tmp_path / "one")
     execute_stage(sft_cfg(one, "sft.gradient_accumulation_steps=2"), "sft")
@@ -121,6 +122,7 @@ def rl_metrics(url: str, algo: str) -> dict[tuple[int, str], float]:
     return {(step, name): value for step, name, value in rows if name not in ("seconds", "tokens_per_s")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_two_process_rl_equals_one_process_with_accumulation(tmp_path, algo):
     """Rollouts sharded by engine batch (4 rollouts each, 2 batches) and gathered; each rank trains on

@@ -3,6 +3,8 @@ run skips every stage by content key."""
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import shlex
 import time
@@ -22,6 +24,7 @@ def readme_queries() -> list[tuple[list[str], str]]:
     return [(shlex.split(cmd), header) for cmd, header in found]
 
 
+@pytest.mark.slow
 def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
     store_url = str(tmp_path / "artifacts")
     args = ("run", "--profile", "tiny", "--run-name", "flowtest", "--set", f"storage.url={store_url}")

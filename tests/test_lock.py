@@ -65,6 +65,7 @@ def test_same_host_dead_process_lock_is_taken_over_at_once_and_logged(tmp_path, 
         pass
 
 
+@pytest.mark.slow
 def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     exe = str(Path(sys.executable).parent / "rlhf")
     common = ["run", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", o] for o in only("sft")), [])]

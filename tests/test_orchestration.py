@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, run_cli
 from rlhf.core.config import StorageConfig
 from rlhf.core.store import ArtifactStore
@@ -26,6 +27,7 @@ from rlhf.core.store import ArtifactStore
 STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")
 PREFECT = str(Path(sys.executable).parent / "prefect")
 # Long enough that each stage is still running a few seconds after its first checkpoint.
+pytestmark = pytest.mark.slow  # about 9 minutes: two heartbeat windows and 14 stage runs through real workers
 OVERRIDES = ["sft.max_steps=16", "sft.save_steps=4", "grpo.iterations=6", "grpo.save_every=2"]
 
 

@@ -102,12 +102,12 @@ def test_all_pairs_capped_per_prompt_by_hand():
 
     from rlhf.core.config import PreferencesConfig
     from rlhf.data.tasks import Problem
-    from stages.preferences import pair_rows
+    from rlhf.train.onpolicy import pair_rows
 
     problem = Problem("train-0", "1 + 1 =", "2", {})
     group = [(SimpleNamespace(text=t), s) for t, s in (("2", 1.0), ("3", 0.0), ("2", 1.0), ("2.5", 0.5))]
     cfg = PreferencesConfig(enabled=True, pairing="all_pairs", max_pairs_per_prompt=2)
-    rows, ties = pair_rows([problem], [group], cfg, "verifier", "k")
+    rows, ties = pair_rows([problem], [group], cfg, "verifier", cfg.policy, "k")
     assert [(r["chosen_index"], r["rejected_index"]) for r in rows] == [(0, 1), (0, 3)] and ties == 1
     assert [r["rejected"][0]["content"] for r in rows] == ["3", "2.5"]
     with pytest.raises(ValueError, match="max_pairs_per_prompt: caps pairing 'all_pairs'"):

@@ -42,6 +42,7 @@ def reward_curve(cfg, algo: str) -> list[float]:
     return [r["value"] for r in sorted(table.to_pylist(), key=lambda r: r["step"]) if r["name"] == "reward_mean"]
 
 
+@pytest.mark.slow
 def test_grpo_raises_reward(tiny_cfg):
     cfg = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=12", "grpo.prompts_per_iteration=4", "grpo.group_size=8",
                  "grpo.minibatch_size=16", "grpo.max_kl=50")
@@ -55,6 +56,7 @@ def test_grpo_raises_reward(tiny_cfg):
     assert exp.num_rows == 32 and set(exp.column("sample_index").to_pylist()) == set(range(8))
 
 
+@pytest.mark.slow
 def test_ppo_raises_reward(tiny_cfg):
     cfg = rl_cfg(tiny_cfg, "ppo", "ppo.iterations=12", "ppo.prompts_per_iteration=32", "ppo.minibatch_size=16",
                  "ppo.epochs=2", "ppo.kl.beta=0.01", "ppo.vf_coef=1.0", "ppo.lam=1.0", "ppo.max_kl=50")

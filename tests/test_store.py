@@ -122,6 +122,7 @@ def test_s3_credentials_never_reach_the_printable_url(s3_env):
     assert shown == f"{s3_env['url']}/r/sft" and "test" not in shown.replace(s3_env["bucket"], "")
 
 
+@pytest.mark.slow
 def test_storage_outage_mid_stage_fails_bounded_then_rerun_resumes(tiny_cfg, tmp_path, monkeypatch):
     """A real SeaweedFS is stopped while SFT trains on it, right after its first checkpoint is committed:
     the stage fails within the configured attempts with a message naming the stage and the URL (no

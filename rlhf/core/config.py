@@ -146,10 +146,36 @@ class DataConfig(Strict):
         return self
 
 
+class MlflowOptions(Strict):
+    """The MLflow tracking server (tracking.backends: [mlflow]); the client is mlflow-skinny."""
+
+    # `rlhf up` starts a server here (SQLite backend, 127.0.0.1 only) when the host is 127.0.0.1 or
+    # localhost; any other URL is a server of yours. Credentials come from MLFLOW_TRACKING_USERNAME /
+    # MLFLOW_TRACKING_PASSWORD in the environment, never from here.
+    uri: str = "http://127.0.0.1:5000"
+    experiment: str = Field("rlhf", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9 ._/-]+$")  # MLflow experiment
+    # the server's interpreter (full mlflow, its own environment: ./setup-mlflow.sh); default
+    # RLHF_MLFLOW_PYTHON, else .venv-mlflow/bin/python
+    server_python: str | None = None
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        m = re.fullmatch(r"(https?)://([^/?#\s]+)(/[^?#\s]*)?", v)
+        if not m:
+            raise ValueError("must look like http(s)://host[:port][/path]")
+        if "@" in m.group(2):  # refused, not redacted: it would reach manifests and logs (not echoed back)
+            raise ValueError("carries credentials (user:password@); give them as MLFLOW_TRACKING_USERNAME / "
+                             "MLFLOW_TRACKING_PASSWORD in the environment instead")
+        return v.rstrip("/")
+
+
 class TrackingConfig(Strict):
     # Experiment trackers that also receive params, per-step and final metrics (the store keeps them anyway):
-    # tensorboard writes event files to <stage>/tensorboard/ in the store. Not part of any content key.
-    backends: list[Literal["tensorboard"]] = Field(default_factory=list)
+    # tensorboard writes event files to <stage>/tensorboard/ in the store; mlflow logs to tracking.mlflow.uri,
+    # one run per pipeline run with a nested run per stage. Not part of any content key.
+    backends: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
+    mlflow: MlflowOptions = MlflowOptions()
 
 
 class StorageConfig(Strict):
@@ -366,6 +392,11 @@ class DPOConfig(TrainerOptions):
     nll_weight: float = Field(0.0, ge=0.0, le=100.0)
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
     eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
+    # Iterative DPO (Pang et al. 2024, "Iterative Reasoning Preference Optimization"; Xiong et al. 2024):
+    # round 1 trains on the preferences stage's pairs; each later round samples the current policy with
+    # the preferences settings and judge (on fresh RL prompts when data.rl_size > 0, else the training
+    # prompts again), pairs, and trains again with the round's starting policy as its reference
+    rounds: int = Field(1, ge=1, le=16)
 
     @model_validator(mode="after")
     def _smoothing(self) -> DPOConfig:
@@ -607,6 +638,8 @@ class PipelineConfig(Strict):
                 f"dpo.max_length: must equal ref_logprobs.max_length ({self.ref_logprobs.max_length}) so the cached "
                 f"reference log-probs see the same truncation, got {self.dpo.max_length}"
             )
+        if self.dpo.enabled and self.dpo.rounds > 1:
+            self._dpo_rounds()
         if self.eval.enabled:
             for policy in self.eval.policies:
                 if policy != "base" and not self.stage(policy).enabled:
@@ -625,3 +658,17 @@ class PipelineConfig(Strict):
         if self.rollout.enabled and self.rollout.policy != "base" and not self.stage(self.rollout.policy).enabled:
             raise ValueError(f"rollout.policy: {self.rollout.policy!r} needs {self.rollout.policy}.enabled: true")
         return self
+
+    def _dpo_rounds(self) -> None:
+        dpo, prefs = self.dpo, self.preferences
+        if not prefs.enabled:
+            raise ValueError(f"dpo.rounds: {dpo.rounds} rounds sample and judge with the preferences settings; "
+                             "set preferences.enabled: true")
+        if dpo.launch.processes > 1:
+            raise ValueError(f"dpo.rounds: later rounds sample in one process; set dpo.launch.processes: 1 "
+                             f"(got {dpo.launch.processes})")
+        per_round = min(prefs.prompts or self.data.train_size, self.data.train_size)
+        needed = (dpo.rounds - 1) * per_round
+        if self.data.rl_size and needed > self.data.rl_size:
+            raise ValueError(f"dpo.rounds: {dpo.rounds - 1} later rounds of {per_round} fresh prompts need "
+                             f"data.rl_size >= {needed}, got {self.data.rl_size}")

@@ -190,11 +190,13 @@ def _resolve_local(url: str | None, base: Path) -> str | None:
     return str(path if path.is_absolute() else (base / path).resolve())
 
 
-def load_config(path: str | Path, profile: str = "default", overrides: list[str] | tuple = ()) -> PipelineConfig:
+def load_config(path: str | Path, profile: str = "default", overrides: list[str] | tuple = (),
+                reachability: bool = True) -> PipelineConfig:
     """Read `path`, merge `profiles.<profile>` over the base, apply overrides, validate.
 
     Relative local paths (storage.url, data.*_path) resolve against the config file's folder, so a
-    worker started elsewhere reads the same artifacts.
+    worker started elsewhere reads the same artifacts. `reachability`: also check that the tracking
+    servers answer (`rlhf up`, which starts them, loads without it).
     """
     path = Path(path)
     if not path.is_file():
@@ -228,7 +230,7 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
     cfg = validate(raw, str(path))
-    problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking.backends)
+    problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking, reachability)
     if problems:
         raise ConfigError(str(path), problems)
     return cfg
@@ -293,6 +295,10 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
             "max_tokens_seen": steps * per_step * st.max_length,
             "checkpoints": steps // st.save_steps,
         }
+        if name == "dpo" and st.rounds > 1:  # iterative DPO: each later round samples and pairs again
+            prompts = min(cfg.preferences.prompts or n_train, n_train)
+            out[name].update({"rounds": st.rounds, "optimizer_steps": f"{out[name]['optimizer_steps']} per round",
+                              "samples_per_later_round": prompts * cfg.preferences.samples_per_prompt})
     for name in of_kind("rl"):
         st = cfg.stage(name)
         if not st.enabled:

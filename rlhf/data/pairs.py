@@ -30,7 +30,7 @@ PAIRS_SCHEMA = pa.schema([
     pa.field("chosen_score", pa.float64()),  # the judge's scores
     pa.field("rejected_score", pa.float64()),
     pa.field("judge", pa.string()),  # verifier | function:<module:function> | reward_model:<path>
-    pa.field("policy", pa.string()),  # whose samples: base | sft
+    pa.field("policy", pa.string()),  # whose samples: base | sft | dpo-round-<r> (DPO's later rounds)
     pa.field("policy_key", pa.string()),  # that policy's content key ("" for base)
     pa.field("temperature", pa.float64()),
     pa.field("top_p", pa.float64()),

@@ -21,13 +21,14 @@ ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
 
 
-def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False):
+def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False,
+                  reachability: bool = True):
     """The config, its stage plan and (check_data) the user data files' row check as summary lines (one
     per file; empty without check_data); exit 2 on a problem."""
     from rlhf.data.userdata import DataError
 
     try:
-        cfg = load_config(config, profile, overrides)
+        cfg = load_config(config, profile, overrides, reachability)
         from rlhf.core.registry import plan
 
         lines = []
@@ -132,8 +133,9 @@ def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default
        heartbeat_seconds: Annotated[int, typer.Option(min=30, help="flow-run heartbeat; a run silent for "
                                                       "2x this + 15 s is marked Crashed")] = 30) -> None:
     """Start a local Prefect server, a process worker per work pool, and register the deployments.
-    Run again to restart workers that died; what is healthy is kept."""
-    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    Run again to restart workers that died; what is healthy is kept. With tracking.backends: [mlflow] and a
+    127.0.0.1/localhost tracking.mlflow.uri, an MLflow server there too."""
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [], reachability=False)  # up starts the tracking server
     from rlhf.ops import services
 
     services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,

@@ -2,6 +2,10 @@
 pipeline.yaml, and the deployments `rlhf/full` (the pipeline) and `rlhf-stage/<stage>` (one per stage,
 on that stage's pool). `down` stops exactly what `up` started, by the PIDs it recorded.
 
+With tracking.backends: [mlflow] and a 127.0.0.1/localhost tracking.mlflow.uri, `up` also starts an MLflow
+tracking server there (from its own environment, ./setup-mlflow.sh: full mlflow pins pyarrow below ours),
+bound to 127.0.0.1, SQLite backend and artifacts under `<state>/mlflow/`.
+
 State lives in a folder (default `<RLHF_HOME>/services`): the server's SQLite database (its own
 PREFECT_HOME), logs, PID files and `api_url`. `up` also sets PREFECT_API_URL in the caller's active
 Prefect profile so that a plain `prefect deployment run rlhf/full --watch` reaches this server; `down`
@@ -17,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -72,6 +77,43 @@ def pools(cfg: PipelineConfig) -> list[str]:
     return sorted({cfg.run.work_pool, *(cfg.work_pool(s) for s in STAGES)})
 
 
+def mlflow_python(configured: str | None = None) -> Path:
+    """The MLflow server environment's interpreter: the config, else RLHF_MLFLOW_PYTHON, else .venv-mlflow/."""
+    return Path(configured or os.environ.get("RLHF_MLFLOW_PYTHON") or REPO / ".venv-mlflow" / "bin" / "python")
+
+
+def start_mlflow(cfg: PipelineConfig, state: Path, log=print) -> str | None:
+    """Starts the MLflow server that tracking.mlflow.uri names when it is ours to start (mlflow backend,
+    127.0.0.1/localhost) and nothing answers there yet; returns its URI, or None when there is none to start."""
+    uri = cfg.tracking.mlflow.uri
+    parts = urllib.parse.urlsplit(uri)
+    if "mlflow" not in cfg.tracking.backends or parts.hostname not in ("127.0.0.1", "localhost"):
+        return None
+    if _healthy(uri):
+        return uri
+    if parts.scheme != "http" or parts.path:
+        raise RuntimeError(f"tracking.mlflow.uri: `rlhf up` starts a server only at http://127.0.0.1:PORT (no path), "
+                           f"got {uri}; start yours there or change the URI")
+    python = mlflow_python(cfg.tracking.mlflow.server_python)
+    if not python.exists():
+        raise RuntimeError(f"tracking.mlflow.server_python: no MLflow server environment at {python}; build it with "
+                           "./setup-mlflow.sh (or point tracking.mlflow.server_python / RLHF_MLFLOW_PYTHON at one)")
+    folder = state / "mlflow"
+    folder.mkdir(exist_ok=True)
+    pid = _spawn(state, "mlflow", [str(python), "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
+                                   str(parts.port or 80), "--workers", "1",
+                                   "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+                                   "--artifacts-destination", str(folder / "artifacts")],
+                 {**os.environ, "MLFLOW_TRACKING_URI": ""})
+    deadline = time.time() + 120
+    while not _healthy(uri):
+        if time.time() > deadline or not _alive(pid):
+            raise RuntimeError(f"MLflow server did not become healthy at {uri}; see {state / 'mlflow.log'}")
+        time.sleep(0.5)
+    log(f"mlflow: {uri} (pid {pid})")
+    return uri
+
+
 def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 5, heartbeat_seconds: int = 30,
        log=print) -> str:
     """Idempotent: a healthy server recorded in `state` is reused, dead workers are restarted; pools,
@@ -104,6 +146,7 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
             continue
         pid = _spawn(state, f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"], env)
         log(f"worker: pool {pool!r} (pid {pid})")
+    start_mlflow(cfg, state, log)
     register_deployments(cfg, config_path, api, heartbeat_seconds)
     subprocess.run([str(BIN / "prefect"), "config", "set", f"PREFECT_API_URL={api}"], check=True, capture_output=True)
     (state / "pools.json").write_text(json.dumps(pools(cfg)))
@@ -137,7 +180,7 @@ def _stop(pid: int, first: int, then: int, grace: float) -> None:
 
 
 def down(state: Path, log=print) -> None:
-    for pid_file in sorted(state.glob("worker-*.pid")) + [state / "server.pid"]:  # workers before the server
+    for pid_file in [*sorted(state.glob("worker-*.pid")), state / "mlflow.pid", state / "server.pid"]:  # servers last
         if not pid_file.exists():
             continue
         pid = int(pid_file.read_text())

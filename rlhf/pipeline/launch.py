@@ -24,7 +24,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
-from rlhf.core.config import LaunchConfig, PipelineConfig
+from rlhf.core.config import LaunchConfig, PipelineConfig, TrackingConfig
 from rlhf.core.models import resolve_model
 from rlhf.core import tracking
 from rlhf.core.registry import SPECS
@@ -103,7 +103,8 @@ def _worker(spec_path: str) -> None:
     ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
                        logging.getLogger(f"rlhf.{stage}"))
     try:  # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
-        with tracking.stage_tracker(cfg.tracking.backends if rank == 0 else [], ctx.workdir / tracking.FOLDER):
+        with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir / tracking.FOLDER,
+                                   cfg.run.name, stage, spec["key"]):
             result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
     except BaseException as e:  # the parent names the root cause, not torchrun's summary of signals
         (Path(spec["workdir"]) / "launch" / f"error-rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")

@@ -105,12 +105,12 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
               "seed": cfg.run.seed}
     tb_dir = workdir / tracking.FOLDER
     try:
-        with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking.backends, tb_dir) as tracker:
+        with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking, tb_dir, run, stage, key) as tracker:
             tracker.text(f"{stage}/params", record)
             result: StageResult = run_stage(module, cfg.stage(stage), ctx)
             tracker.log(0, {f"final/{k}": v for k, v in result.metrics.items()})
             tracker.text(f"{stage}/outputs", {n: store.url(output_path(store, run, stage, n, rel)) for n, rel in result.outputs.items()})
-        if cfg.tracking.backends and tb_dir.is_dir():  # before the manifest: a stage without one is incomplete
+        if "tensorboard" in cfg.tracking.backends and tb_dir.is_dir():  # before the manifest: a stage without one is incomplete
             store.put_dir(tb_dir, ctx.path(tracking.FOLDER))
     except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
         raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e

@@ -65,6 +65,24 @@ def reference_key(model_dir: Path, rows: list[dict], dtype: str, code: list[Path
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
+def ref_table(pairs: list[TokenizedPair], out) -> pa.Table:
+    """REF_LOGPS_SCHEMA rows of `pair_logps` output `out`, in the order of `pairs`."""
+    per_token = out.chosen_per_token is not None
+    return pa.Table.from_pydict(
+        {
+            "pair_id": [p.pair_id for p in pairs],
+            "ref_chosen_logps": out.chosen.tolist(),
+            "ref_rejected_logps": out.rejected.tolist(),
+            "prompt_tokens": [len(p.prompt_ids) for p in pairs],
+            "chosen_tokens": out.chosen_tokens.tolist(),
+            "rejected_tokens": out.rejected_tokens.tolist(),
+            "ref_chosen_token_logps": out.chosen_per_token if per_token else [None] * len(pairs),
+            "ref_rejected_token_logps": out.rejected_per_token if per_token else [None] * len(pairs),
+        },
+        schema=REF_LOGPS_SCHEMA,
+    )
+
+
 def read_entry(ctx, kind: str, key: str, schema: pa.Schema) -> tuple[str, pa.Table | None]:
     """(entry path, its table) for a complete cache entry of `kind` (manifest present), else (path, None)."""
     entry = ctx.store.path("_cache", kind, key)

@@ -122,8 +122,9 @@ def _fmt_eta(seconds: float) -> str:
 class ProgressAndMetrics(TrainerCallback):
     """Logs step, loss, tokens/s and ETA; keeps every logged value for the metrics table."""
 
-    def __init__(self, stage: str, log):
+    def __init__(self, stage: str, log, step_offset: int = 0):
         self.stage, self.log = stage, log
+        self.offset = step_offset  # steps of earlier rounds (iterative DPO): one continuous curve
         self.rows: list[dict] = []
         self.t0 = None
         self.first_step = 0
@@ -138,8 +139,9 @@ class ProgressAndMetrics(TrainerCallback):
         step = state.global_step
         for name, value in logs.items():
             if isinstance(value, (int, float)):
-                self.rows.append({"stage": self.stage, "step": step, "epoch": state.epoch, "name": name, "value": float(value)})
-        tracking.current().log(step, {f"{self.stage}/{name}": value for name, value in logs.items()})  # rank 0's only
+                self.rows.append({"stage": self.stage, "step": step + self.offset, "epoch": state.epoch, "name": name,
+                                  "value": float(value)})
+        tracking.current().log(step + self.offset, {f"{self.stage}/{name}": value for name, value in logs.items()})  # rank 0's only
         elapsed = time.perf_counter() - self.t0
         done = max(step - self.first_step, 1)
         eta = elapsed / done * (state.max_steps - step)
@@ -159,11 +161,12 @@ class ProgressAndMetrics(TrainerCallback):
 class MirrorCheckpoints(TrainerCallback):
     """Copies each local checkpoint into the store, marker last, and prunes older remote ones."""
 
-    def __init__(self, ctx, output_dir: Path):
+    def __init__(self, ctx, output_dir: Path, step_offset: int = 0):
         self.ctx, self.output_dir = ctx, output_dir
         crash = os.environ.get(CRASH_ENV, "")
         stage, _, step = crash.partition(":")
-        self.crash_at = int(step) if stage == ctx.stage and step.isdigit() else None
+        # the stage's step: with DPO rounds, earlier rounds' steps plus this trainer's
+        self.crash_at = int(step) - step_offset if stage == ctx.stage and step.isdigit() else None
 
     def on_save(self, args, state, control, **kw):
         dist.barrier()  # every rank has written its part (RNG state) of the local checkpoint
@@ -265,15 +268,15 @@ class TrainerRun:
     resume: tuple[int, Path] | None
 
     @classmethod
-    def start(cls, ctx) -> TrainerRun:
+    def start(cls, ctx, step_offset: int = 0) -> TrainerRun:
         resume = latest_checkpoint(ctx)
         if resume:
             ctx.log.info("%s: resuming from checkpoint at step %d", ctx.stage, resume[0])
-        return cls(ctx, fresh_output_dir(ctx), ProgressAndMetrics(ctx.stage, ctx.log), resume)
+        return cls(ctx, fresh_output_dir(ctx), ProgressAndMetrics(ctx.stage, ctx.log, step_offset), resume)
 
     @property
     def callbacks(self) -> list:
-        return [self.progress, MirrorCheckpoints(self.ctx, self.out_dir)]
+        return [self.progress, MirrorCheckpoints(self.ctx, self.out_dir, self.progress.offset)]
 
     @property
     def resumed_from_step(self) -> int | None:
