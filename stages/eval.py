@@ -170,7 +170,7 @@ def leaderboard_markdown(ratings: list[dict]) -> str:
 
 
 def write_leaderboard(ctx: StageContext, ratings: list[dict]) -> str:
-    ctx.store.fs.pipe_file(ctx.path("leaderboard.md"), leaderboard_markdown(ratings).encode())
+    ctx.store.write_bytes(ctx.path("leaderboard.md"), leaderboard_markdown(ratings).encode())
     return "leaderboard.md"
 
 
@@ -196,5 +196,5 @@ def write_chart(ctx: StageContext, ratings: list[dict]) -> str:
     local.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(local, dpi=100)
     plt.close(fig)
-    ctx.store.fs.put_file(str(local), ctx.path("ratings.png"))
+    ctx.store.put_file(local, ctx.path("ratings.png"))
     return "ratings.png"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -176,3 +177,36 @@ def test_storage_outage_mid_stage_fails_bounded_then_rerun_resumes(tiny_cfg, tmp
         assert store.require_manifest("tiny", "sft")["key"] == m["key"]
     finally:
         stop_weed(proc)
+
+
+@pytest.mark.parametrize("call", ["write_bytes", "remove", "glob", "list_dirs", "put_file"])
+def test_every_stage_write_path_retries_a_transient_error_then_names_the_url(tmp_path, monkeypatch, call):
+    """The checkpoint marker, pruning, eval's files and listings go through retried store methods: one
+    transient OSError (S3's 'internal error' as s3fs raises it) is retried; a lasting one ends in a
+    StorageError naming the URL after storage.attempts tries (the CI flake of 2026-12-01 was a raw
+    OSError from an unretried fs.pipe_file)."""
+    from rlhf.core.store import StorageError
+
+    store = ArtifactStore(StorageConfig(url=str(tmp_path / "s"), attempts=3, backoff_seconds=0.0))
+    (tmp_path / "local.txt").write_text("x")
+    path = store.path("r", "sft", "checkpoints", "checkpoint-4", ".complete")
+    args = {"write_bytes": (path, b"ok"), "remove": (path,), "glob": (store.path("r", "*"),),
+            "list_dirs": (store.path("r"),), "put_file": (tmp_path / "local.txt", path)}[call]
+    real, failures = store.fs.exists, {"left": 1}
+
+    def flaky(p, *a, **kw):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(121, "We encountered an internal error, please try again.")
+        return real(p, *a, **kw)
+
+    store.fs.mkdirs(store.path("r"), exist_ok=True)
+    monkeypatch.setattr(store.fs, "exists", flaky)
+    monkeypatch.setattr(store.fs, "glob", lambda p, *a, **kw: (flaky(p), [])[1])
+    monkeypatch.setattr(store.fs, "makedirs", lambda p, *a, **kw: (flaky(p), os.makedirs(p, exist_ok=True))[1])
+    getattr(store, call)(*args)  # one failure, then success
+    assert failures["left"] == 0
+    failures["left"] = 99
+    with pytest.raises(StorageError, match=r"failed after 3 attempts: OSError: .*internal error") as e:
+        getattr(store, call)(*args)
+    assert str(tmp_path / "s") in str(e.value)

@@ -154,6 +154,22 @@ class ArtifactStore:
         with self.fs.open(path, "rb") as f:
             return json.loads(f.read())
 
+    @retrying("write")
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """One small object (a marker, a markdown file); an S3 PUT is atomic per object."""
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        self.fs.pipe_file(path, data)
+
+    @retrying("delete")
+    def remove(self, path: str) -> None:
+        """Deletes a file or a folder; a path that is already gone is fine."""
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    @retrying("list")
+    def glob(self, pattern: str) -> list[str]:
+        return sorted(self.fs.glob(pattern))
+
     def clear_stage(self, run: str, stage: str) -> None:
         prefix = self.stage_path(run, stage)
         manifest = posixpath.join(prefix, MANIFEST)
@@ -185,6 +201,9 @@ class ArtifactStore:
         for file in sorted(p for p in local.rglob("*") if p.is_file()):
             self._put_file(posixpath.join(remote, file.relative_to(local).as_posix()), file)
 
+    def put_file(self, local: str | Path, remote: str) -> None:
+        self._put_file(remote, Path(local))
+
     @retrying("upload")
     def _put_file(self, dest: str, file: Path) -> None:
         self.fs.makedirs(posixpath.dirname(dest), exist_ok=True)
@@ -209,6 +228,7 @@ class ArtifactStore:
         return {int(name.rsplit("-", 1)[1]): name for name in self.list_dirs(root)
                 if self.fs.exists(posixpath.join(root, name, COMPLETE))}
 
+    @retrying("list")
     def list_dirs(self, path: str) -> list[str]:
         if not self.fs.exists(path):
             return []

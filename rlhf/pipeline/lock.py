@@ -117,7 +117,7 @@ class RunLock:
             self._thread.join(timeout=5)
         current = self.store.read_json(self.path)
         if current and current["owner"] == self.owner:
-            self.store.fs.rm(self.path)
+            self.store.remove(self.path)
 
     def __enter__(self) -> RunLock:
         self.acquire()

@@ -132,9 +132,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     store.write_manifest(run, stage, manifest)  # last: from here on the stage counts as complete
     # Checkpoints only serve to resume an incomplete stage; a complete one drops them (they hold the
     # optimizer state, several times the model's size).
-    ckpt = store.stage_path(run, stage, CHECKPOINTS)
-    if store.fs.exists(ckpt):
-        store.fs.rm(ckpt, recursive=True)
+    store.remove(store.stage_path(run, stage, CHECKPOINTS))
     # The local scratch (trainer output, downloaded inputs, copies on their way to the store) is worth
     # nothing once the store holds the result; left behind it grows without bound on a long-lived worker.
     shutil.rmtree(workdir, ignore_errors=True)

@@ -91,7 +91,7 @@ def round_data(cfg: DPOConfig, ctx, model, tokenizer, r: int) -> tuple[list[dict
         ctx.log.info("dpo round %d: %d pairs sampled before the restart, reused", r, len(pairs))
         return training_rows(pairs), ref, record
     for name in ctx.store.list_dirs(ctx.path(CHECKPOINTS)):  # round r-1's: this round's trainer starts fresh
-        ctx.store.fs.rm(ctx.path(CHECKPOINTS, name), recursive=True)
+        ctx.store.remove(ctx.path(CHECKPOINTS, name))
 
     pcfg, prefs = ctx.cfg, ctx.cfg.preferences
     task = Task(pcfg.data)

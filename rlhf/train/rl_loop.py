@@ -579,7 +579,7 @@ def write_metrics_row(ctx, it: int, algo: str, metrics: dict) -> None:
 def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
     if not dist.is_main():  # rank 0 evaluates and publishes; the launcher uses its result only
         return StageResult(outputs={})
-    tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in sorted(ctx.store.fs.glob(ctx.path("iterations", "*.parquet")))]
+    tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in ctx.store.glob(ctx.path("iterations", "*.parquet"))]
     table = pa.concat_tables(tables)
     last = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == cfg.iterations}
     first_it = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == 1}

@@ -187,10 +187,10 @@ def store_checkpoint(ctx, local: Path, name: str) -> str:
     store = ctx.store
     remote = ctx.path(CHECKPOINTS, name)
     store.put_dir(local, remote)
-    store.fs.pipe_file(posixpath.join(remote, COMPLETE), b"ok")
+    store.write_bytes(posixpath.join(remote, COMPLETE), b"ok")
     for other in store.list_dirs(ctx.path(CHECKPOINTS)):
         if other != name:
-            store.fs.rm(ctx.path(CHECKPOINTS, other), recursive=True)
+            store.remove(ctx.path(CHECKPOINTS, other))
     return remote
 
 
