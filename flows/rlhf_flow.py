@@ -23,6 +23,7 @@ from rlhf.core.loader import load_config, validate
 from rlhf.pipeline.lock import RunLock
 from rlhf.core.registry import plan
 from rlhf.pipeline.runner import execute_stage
+from rlhf.core.manifest import ManifestError
 from rlhf.core.store import ArtifactStore
 
 
@@ -101,7 +102,10 @@ def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
     from prefect.deployments import run_deployment
 
     store = ArtifactStore(cfg.storage)
-    before = store.read_manifest(cfg.run.name, stage)
+    try:
+        before = store.read_manifest(cfg.run.name, stage)
+    except ManifestError:  # the stage run replaces it (and logs why)
+        before = None
     placement = cfg.stage(stage)
     flow_run = run_deployment(
         f"rlhf-stage/{stage}", parameters={"config": resolved, "stage": stage},

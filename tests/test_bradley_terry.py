@@ -139,6 +139,7 @@ def prompt_coverage(clustered: bool, reps: int = 300, n_prompts: int = 256) -> f
     return float(np.mean(hits))
 
 
+@pytest.mark.slow  # 300 simulated evaluations
 def test_prompt_bootstrap_covers_shared_prompt_battles():
     """Battles that share a prompt are correlated: the prompt bootstrap's nominal 95% interval covers the
     truth at least 0.93 of the time; the battle bootstrap (each battle its own cluster) does not."""

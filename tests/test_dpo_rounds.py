@@ -73,15 +73,17 @@ def test_round_two_samples_the_round_one_policy_which_is_its_reference(tiny_cfg)
     assert any(not torch.equal(final[k], first[k]) for k in final)
 
 
+@pytest.mark.slow
 def test_crash_in_round_two_resumes_there_and_ends_with_the_same_model(tiny_cfg, monkeypatch):
     _, straight = run_rounds(tiny_cfg(*ROUNDS, "run.name=straight"))
     cfg = tiny_cfg(*ROUNDS, "run.name=crashed")
-    for stage in ("sft", "preferences", "ref_logprobs"):
-        execute_stage(cfg, stage)
+    store = ArtifactStore(cfg.storage)
+    for stage in ("sft", "preferences", "ref_logprobs"):  # the same inputs: a copy of the straight run's
+        store.fs.copy(store.stage_path("straight", stage), store.stage_path("crashed", stage), recursive=True)
+        assert execute_stage(cfg, stage)["status"] == "skipped"
     monkeypatch.setenv(CRASH_ENV, "dpo:10")  # round 2's 4th step, after its checkpoint at stage step 9
     with pytest.raises(InjectedCrash):
         execute_stage(cfg, "dpo")
-    store = ArtifactStore(cfg.storage)
     path = lambda *p: store.stage_path(cfg.run.name, "dpo", *p)  # noqa: E731
     assert store.read_manifest(cfg.run.name, "dpo") is None and store.read_json(path("rounds", "1", "round.json"))
     sampled = store.fs.cat_file(path("rounds", "2", "pairs.parquet"))

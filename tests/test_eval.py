@@ -74,7 +74,8 @@ def test_query_reads_results_from_s3(s3_env):
     rows = [{"run": "s3run", "judge": "verifier", "policy": p, "elo": e, "ci_low": e - 10, "ci_high": e + 10,
              "battles": 4, "accuracy": a} for p, e, a in (("base", 950.0, 0.2), ("sft", 1000.0, 0.6))]
     store.write_table(store.stage_path("s3run", "eval", "ratings.parquet"), pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]), SCHEMAS["ratings"])
-    store.write_manifest("s3run", "eval", {"key": "k"})
+    store.write_manifest("s3run", "eval", {"run": "s3run", "stage": "eval", "key": "e" * 64, "inputs": {}, "outputs": {},
+                                           "rows": {}, "metrics": {}})
     out = query(store, "select policy, elo from ratings order by elo desc").to_pylist()
     assert out == [{"policy": "sft", "elo": 1000.0}, {"policy": "base", "elo": 950.0}]
     proc = run_cli("query", "select policy from ratings order by elo", "--format", "json", "--set", f"storage.url={s3_env['url']}")

@@ -15,6 +15,9 @@ from rlhf.core.config import StorageConfig
 from rlhf.core.store import ArtifactMissing, ArtifactStore, SchemaMismatch
 
 SCHEMA = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("text", pa.string())])
+# a minimal valid manifest (rlhf/core/manifest.py)
+GOOD = {"schema_version": 1, "run": "r", "stage": "sft", "key": "ab" * 32, "inputs": {}, "outputs": {"model": "model"},
+        "rows": {"train": 3}, "metrics": {"sft/loss": 0.5}, "resumed_from_step": None}
 
 
 def test_manifest_table_and_folder_roundtrip(storage_url, tmp_path):
@@ -32,8 +35,8 @@ def test_manifest_table_and_folder_roundtrip(storage_url, tmp_path):
     back = store.get_dir(store.stage_path("r1", "sft", "model"), tmp_path / "back")
     assert (back / "sub" / "b.bin").read_bytes() == b"\x00\x01" and (back / "a.json").read_text() == "{}"
 
-    store.write_manifest("r1", "sft", {"key": "k1", "rows": {"train": 2}})
-    assert store.require_manifest("r1", "sft")["key"] == "k1"
+    store.write_manifest("r1", "sft", {**GOOD, "run": "r1", "key": "1a" * 32})
+    assert store.require_manifest("r1", "sft")["key"] == "1a" * 32
     store.clear_stage("r1", "sft")
     assert store.read_manifest("r1", "sft") is None
     assert not store.fs.exists(store.stage_path("r1", "sft", "t.parquet"))
@@ -84,7 +87,7 @@ def test_writer_killed_between_data_and_manifest_leaves_an_absent_stage(storage_
         schema = pa.schema([pa.field("id", pa.int64())])
         store.write_table(store.stage_path("r", "sft", "data.parquet"), pa.table({{"id": [1, 2]}}, schema=schema), schema)
         os.kill(os.getpid(), signal.SIGKILL)
-        store.write_manifest("r", "sft", {{"key": "never"}})
+        store.write_manifest("r", "sft", {GOOD!r})
         """
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -102,7 +105,7 @@ def test_local_manifest_write_is_atomic(tmp_path, monkeypatch):
     import rlhf.core.store
 
     store = ArtifactStore(StorageConfig(url=str(tmp_path), attempts=1))
-    store.write_manifest("r", "sft", {"key": "a"})
+    store.write_manifest("r", "sft", {**GOOD, "key": "a" * 64})
     assert [p.name for p in (tmp_path / "r" / "sft").iterdir()] == ["manifest.json"]
 
     def killed(src, dst):
@@ -110,10 +113,10 @@ def test_local_manifest_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(rlhf.core.store.os, "replace", killed)
     with pytest.raises(Exception, match="killed before the rename"):
-        store.write_manifest("r", "sft", {"key": "b" * 10_000})
+        store.write_manifest("r", "sft", {**GOOD, "key": "b" * 64, "metrics": {f"m{i}": 0.5 for i in range(1000)}})
     with pytest.raises(Exception, match="killed before the rename"):
-        store.write_manifest("r", "dpo", {"key": "c"})
-    assert store.read_manifest("r", "sft") == {"key": "a"}
+        store.write_manifest("r", "dpo", {**GOOD, "key": "c" * 64})
+    assert store.read_manifest("r", "sft") == {**GOOD, "key": "a" * 64}
     assert store.read_manifest("r", "dpo") is None
 
 
@@ -210,3 +213,51 @@ def test_every_stage_write_path_retries_a_transient_error_then_names_the_url(tmp
     with pytest.raises(StorageError, match=r"failed after 3 attempts: OSError: .*internal error") as e:
         getattr(store, call)(*args)
     assert str(tmp_path / "s") in str(e.value)
+
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"outputs": ["model"]}, "'outputs' must be a mapping of names to relative paths"),
+    ({"metrics": {"sft/loss": "0.5"}}, "'metrics' must be a mapping of names to numbers"),
+    ({"rows": {"train": True}}, "'rows' must be a mapping of names to integers"),
+    ({"key": "../../etc"}, "'key' must be a hex content key"),
+    ({"inputs": {"sft": 7}}, "'inputs' must be a mapping of stage names to hex content keys"),
+    ({"schema_version": 2}, "'schema_version' must be the number 1"),
+    ({"resumed_from_step": "4"}, "'resumed_from_step' must be an integer or null"),
+    ({"inputs": None, "outputs": None}, "'inputs' must be"),
+])
+def test_manifest_check_names_the_file_and_every_wrong_field(change, named):
+    from rlhf.core.manifest import ManifestError, check
+
+    assert check(dict(GOOD), "m.json") == GOOD
+    check({**GOOD, "metrics": {"sft/accuracy": float("nan")}}, "m.json")  # a metric with nothing to measure
+    with pytest.raises(ManifestError, match=r"^m\.json: invalid manifest: .*" + named.replace("(", r"\(")):
+        check({**GOOD, **change}, "m.json")
+    with pytest.raises(ManifestError, match="'key' is missing; 'rows' is missing"):
+        check({k: v for k, v in GOOD.items() if k not in ("key", "rows")}, "m.json")
+    with pytest.raises(ManifestError, match="not a manifest"):
+        check([GOOD], "m.json")
+
+
+def test_an_invalid_stored_manifest_reruns_its_stage_and_stops_a_downstream_one(tiny_cfg):
+    """A manifest that is not one (hostile, truncated, another version's) is never trusted: its own stage
+    runs again (preflight says so), a stage reading it as an input fails naming the file."""
+    from conftest import only
+    from rlhf.core.manifest import ManifestError
+    from rlhf.pipeline.preflight import outlook
+    from rlhf.pipeline.runner import execute_stage
+
+    cfg = tiny_cfg(*only("sft", "ref_logprobs"), "preferences.enabled=false")
+    store = ArtifactStore(cfg.storage)
+    first = execute_stage(cfg, "sft")
+    path = store.stage_path("tiny", "sft", "manifest.json")
+    store.write_bytes(path, b'{"key": 5, "outputs": []')  # truncated JSON
+    with pytest.raises(ManifestError, match=r"sft/manifest\.json: not valid JSON"):
+        execute_stage(cfg, "ref_logprobs")
+    store.write_json(path, {**first, "outputs": ["model"]})
+    with pytest.raises(ManifestError, match=r"sft/manifest\.json: invalid manifest: 'outputs' must be"):
+        execute_stage(cfg, "ref_logprobs")
+    assert outlook(cfg, store)["sft"].startswith("run (the stored manifest is invalid and will be replaced")
+    again = execute_stage(cfg, "sft")
+    assert again["status"] != "skipped" and again["key"] == first["key"]
+    assert execute_stage(cfg, "ref_logprobs")["inputs"] == {"sft": first["key"]}

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf.core.config import PipelineConfig
+from rlhf.core.manifest import Manifest
 from rlhf.core.store import ArtifactStore
 
 
@@ -24,7 +25,7 @@ class StageContext:
     store: ArtifactStore
     stage: str
     key: str
-    inputs: dict[str, dict]  # input stage -> its manifest
+    inputs: dict[str, Manifest]  # input stage -> its manifest
     workdir: Path  # local scratch, keyed by content key; safe to delete
     log: logging.Logger
 

@@ -22,6 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf.core.config import StorageConfig, check_name
+from rlhf.core.manifest import Manifest, ManifestError
+from rlhf.core.manifest import check as check_manifest
 
 MANIFEST = "manifest.json"
 ATTEMPT = "_attempt.json"
@@ -117,10 +119,16 @@ class ArtifactStore:
         return f"s3://{path}" if not self.is_local else path
 
     # ---- manifests ---------------------------------------------------------------------------
-    def read_manifest(self, run: str, stage: str) -> dict[str, Any] | None:
-        return self.read_json(self.stage_path(run, stage, MANIFEST))
+    def read_manifest(self, run: str, stage: str) -> Manifest | None:
+        """The stage's manifest, None when it has none (incomplete); ManifestError when the file is not one."""
+        path = self.stage_path(run, stage, MANIFEST)
+        try:
+            obj = self.read_json(path)
+        except ValueError as e:  # invalid JSON or UTF-8
+            raise ManifestError(f"{self.url(path)}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        return None if obj is None else check_manifest(obj, self.url(path))
 
-    def require_manifest(self, run: str, stage: str) -> dict[str, Any]:
+    def require_manifest(self, run: str, stage: str) -> Manifest:
         m = self.read_manifest(run, stage)
         if m is None:
             raise ArtifactMissing(
@@ -129,8 +137,11 @@ class ArtifactStore:
             )
         return m
 
-    def write_manifest(self, run: str, stage: str, manifest: dict[str, Any]) -> None:
-        self.write_json(self.stage_path(run, stage, MANIFEST), manifest)
+    def write_manifest(self, run: str, stage: str, manifest: Manifest) -> None:
+        path = self.stage_path(run, stage, MANIFEST)
+        # checked in its JSON form, as every reader will see it (a numpy number would be a string there)
+        check_manifest(json.loads(json.dumps(manifest, default=str)), self.url(path))
+        self.write_json(path, manifest)
 
     @retrying("write")
     def write_json(self, path: str, obj: Any) -> None:

@@ -250,6 +250,7 @@ def diff(
     from rlhf.ops.diff import diff_runs, render
     from rlhf.ops.results import SCHEMAS
     from rlhf.core.registry import NAMES
+    from rlhf.core.manifest import ManifestError
     from rlhf.core.store import ArtifactStore, StorageError
 
     store = ArtifactStore(cfgs[0].storage)
@@ -265,6 +266,9 @@ def diff(
             ratings[run] = store.read_table(path, SCHEMAS["ratings"]).to_pylist() if "eval" in manifests[run] else []
     except StorageError as e:
         typer.echo(f"storage: {e}", err=True)
+        raise typer.Exit(2) from None
+    except ManifestError as e:
+        typer.echo(str(e), err=True)
         raise typer.Exit(2) from None
     names = [c.run.name for c in cfgs]
     diffs = diff_runs(manifests[names[0]], manifests[names[-1]], list(NAMES))

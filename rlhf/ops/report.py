@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from rlhf.core.registry import NAMES as STAGES, output_path
+from rlhf.core.manifest import ManifestError
 from rlhf.core.store import ATTEMPT, ArtifactStore
 from rlhf.train.training import METRICS_SCHEMA
 
@@ -24,7 +25,10 @@ MAX_PANELS = 8
 
 
 def stage_status(store: ArtifactStore, run: str, stage: str) -> tuple[str, dict | None]:
-    manifest = store.read_manifest(run, stage)
+    try:
+        manifest = store.read_manifest(run, stage)
+    except ManifestError as e:
+        return f"invalid manifest ({e})", None
     if manifest is not None:
         return "complete", manifest
     if store.read_json(store.stage_path(run, stage, ATTEMPT)) is not None:

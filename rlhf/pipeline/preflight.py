@@ -8,6 +8,7 @@ from __future__ import annotations
 from rlhf.core.config import PipelineConfig
 from rlhf.core.registry import SPECS, of_kind, plan, stage_inputs
 from rlhf.pipeline.runner import content_key
+from rlhf.core.manifest import ManifestError
 from rlhf.core.store import ATTEMPT
 
 def predicted_keys(cfg: PipelineConfig) -> dict[str, str]:
@@ -22,7 +23,11 @@ def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
     """stage -> 'skip (complete, key ...)', 'resume (checkpoints of this key)' or 'run'."""
     out = {}
     for stage, key in predicted_keys(cfg).items():
-        manifest = store.read_manifest(cfg.run.name, stage)
+        try:
+            manifest = store.read_manifest(cfg.run.name, stage)
+        except ManifestError as e:
+            out[stage] = f"run (the stored manifest is invalid and will be replaced: {e})"
+            continue
         attempt = store.read_json(store.stage_path(cfg.run.name, stage, ATTEMPT))
         if manifest is not None and manifest["key"] == key:
             out[stage] = f"skip (complete, key {key[:12]})"

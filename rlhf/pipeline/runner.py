@@ -15,7 +15,6 @@ import shutil
 import time
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
 
 from rlhf.core import codehash, tracking
 from rlhf.core.config import PipelineConfig
@@ -24,6 +23,7 @@ from rlhf.core.registry import SPECS, output_path, stage_inputs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.core.ledger import Meter
 from rlhf.core.resources import PeakRSS
+from rlhf.core.manifest import Manifest, ManifestError
 from rlhf.core.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
 from rlhf.pipeline.launch import run_stage
 
@@ -73,7 +73,7 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None = None) -> dict[str, Any]:
+def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None = None) -> Manifest:
     """Run one stage unless a complete manifest with the same content key exists.
 
     Returns the manifest plus a `status` of skipped / ran / resumed. A missing or different manifest
@@ -84,12 +84,16 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     run = cfg.run.name
     inputs = {s: store.require_manifest(run, s) for s in stage_inputs(cfg, stage)}
     key = content_key(cfg, stage, {s: m["key"] for s, m in inputs.items()})
-    existing = store.read_manifest(run, stage)
+    try:
+        existing, invalid = store.read_manifest(run, stage), False
+    except ManifestError as e:  # not a completion this code can trust: the stage runs again
+        log.warning("%s: %s; running the stage again", stage, e)
+        existing, invalid = None, True
     if existing is not None and existing["key"] == key:
         log.info("%s: skipped, complete with key %s", stage, key[:12])
         return {**existing, "status": "skipped"}
     attempt = store.read_json(store.stage_path(run, stage, ATTEMPT))
-    if existing is not None or (attempt is not None and attempt.get("key") != key):
+    if existing is not None or invalid or (attempt is not None and attempt.get("key") != key):
         log.info("%s: content key changed to %s; clearing %s", stage, key[:12], store.url(store.stage_path(run, stage)))
         store.clear_stage(run, stage)
     store.write_json(store.stage_path(run, stage, ATTEMPT), {"key": key, "started": _now()})
