@@ -70,11 +70,11 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     for r in range(len(done) + 1, cfg.rounds + 1):
         if r == 1:
             rows, _ = stage_pairs(ctx)
-            ref_rows = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA).to_pylist()
+            ref = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA)
             data = {"pairs": len(rows)}
         else:
-            rows, ref_rows, data = round_data(cfg, ctx, model, tokenizer, r)
-        train_rows, unmatched = with_reference(rows, [{k: row[k] for k in ("pair_id", *REF_COLUMNS)} for row in ref_rows])
+            rows, ref, data = round_data(cfg, ctx, model, tokenizer, r)
+        train_rows, unmatched = with_reference(rows, ref.select(["pair_id", *REF_COLUMNS]).to_pylist())
         rows_out = {"train_pairs": len(train_rows), "without_reference": unmatched}
         tr = TrainerRun.start(ctx, step_offset=offset)
         if r == len(done) + 1 and (done or tr.resumed_from_step):

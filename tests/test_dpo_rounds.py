@@ -26,8 +26,9 @@ def test_round_prompts_by_hand(tiny_cfg):
     task = Task(tiny_cfg("data.rl_size=32").data)
     assert [p.id for p in round_problems(task, 16, 32, 2)] == [f"rl-{i}" for i in range(16)]
     assert [p.id for p in round_problems(task, 16, 32, 3)] == [f"rl-{i}" for i in range(16, 32)]
-    # no fresh draw: the training prompts again (Pang et al. 2024); None means all of them
-    assert round_problems(Task(tiny_cfg().data), None, 0, 3) == Task(tiny_cfg().data).train
+    # no fresh draw: the training prompts again (Pang et al. 2024); preferences.prompts None means all of them
+    cfg = tiny_cfg()
+    assert round_problems(Task(cfg.data), cfg.preference_prompts(), 0, 3) == Task(cfg.data).train
 
 
 def weights(path: str, cfg) -> dict[str, torch.Tensor]:

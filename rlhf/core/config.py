@@ -659,6 +659,10 @@ class PipelineConfig(Strict):
             raise ValueError(f"rollout.policy: {self.rollout.policy!r} needs {self.rollout.policy}.enabled: true")
         return self
 
+    def preference_prompts(self) -> int:
+        """Training prompts the preferences stage samples (and each later DPO round, on its own fresh ones)."""
+        return min(self.preferences.prompts or self.data.train_size, self.data.train_size)
+
     def _dpo_rounds(self) -> None:
         dpo, prefs = self.dpo, self.preferences
         if not prefs.enabled:
@@ -667,7 +671,7 @@ class PipelineConfig(Strict):
         if dpo.launch.processes > 1:
             raise ValueError(f"dpo.rounds: later rounds sample in one process; set dpo.launch.processes: 1 "
                              f"(got {dpo.launch.processes})")
-        per_round = min(prefs.prompts or self.data.train_size, self.data.train_size)
+        per_round = self.preference_prompts()
         needed = (dpo.rounds - 1) * per_round
         if self.data.rl_size and needed > self.data.rl_size:
             raise ValueError(f"dpo.rounds: {dpo.rounds - 1} later rounds of {per_round} fresh prompts need "

@@ -279,7 +279,7 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         per_step = st.per_device_batch_size * st.gradient_accumulation_steps * st.launch.processes
         if name != "sft" and cfg.preferences.enabled:
             # on-policy pairs: one per prompt whose answers are not all judged equal, known after sampling
-            prompts = min(cfg.preferences.prompts or n_train, n_train)
+            prompts = cfg.preference_prompts()
             per_prompt = 1 if cfg.preferences.pairing == "best_worst" else math.comb(cfg.preferences.samples_per_prompt, 2)
             bound = prompts * min(per_prompt, cfg.preferences.max_pairs_per_prompt or per_prompt)
             rows = bound * (2 if name == "kto" else 1)
@@ -295,10 +295,9 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
             "max_tokens_seen": steps * per_step * st.max_length,
             "checkpoints": steps // st.save_steps,
         }
-        if name == "dpo" and st.rounds > 1:  # iterative DPO: each later round samples and pairs again
-            prompts = min(cfg.preferences.prompts or n_train, n_train)
+        if name == "dpo" and st.rounds > 1:  # iterative DPO: each later round samples and pairs again (needs preferences)
             out[name].update({"rounds": st.rounds, "optimizer_steps": f"{out[name]['optimizer_steps']} per round",
-                              "samples_per_later_round": prompts * cfg.preferences.samples_per_prompt})
+                              "samples_per_later_round": cfg.preference_prompts() * cfg.preferences.samples_per_prompt})
     for name in of_kind("rl"):
         st = cfg.stage(name)
         if not st.enabled:

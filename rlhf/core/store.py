@@ -183,11 +183,8 @@ class ArtifactStore:
 
     def clear_stage(self, run: str, stage: str) -> None:
         prefix = self.stage_path(run, stage)
-        manifest = posixpath.join(prefix, MANIFEST)
-        if self.fs.exists(manifest):
-            self.fs.rm(manifest)
-        if self.fs.exists(prefix):
-            self.fs.rm(prefix, recursive=True)
+        self.remove(posixpath.join(prefix, MANIFEST))  # first: a half-cleared prefix never looks complete
+        self.remove(prefix)
         self.fs.invalidate_cache()
 
     # ---- tables ------------------------------------------------------------------------------

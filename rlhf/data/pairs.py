@@ -63,10 +63,14 @@ def build_pairs(scores: list[float], mode: str = "best_worst") -> tuple[list[tup
     raise ValueError(f"pairing: unknown mode {mode!r}")
 
 
+def training_rows(pairs: list[dict]) -> list[dict]:
+    """PAIRS_SCHEMA rows as training rows: the conversation parts and pair_id, without provenance."""
+    return [{k: r[k] for k in ("prompt", "chosen", "rejected", "pair_id")} for r in pairs]
+
+
 def onpolicy_pairs(ctx, output: str = "pairs") -> list[dict]:
     """The preferences stage's pairs (`pairs` or `eval_pairs`) as training rows with pair_id."""
-    table = ctx.store.read_table(ctx.input_path("preferences", output), PAIRS_SCHEMA)
-    return [{k: r[k] for k in ("prompt", "chosen", "rejected", "pair_id")} for r in table.to_pylist()]
+    return training_rows(ctx.store.read_table(ctx.input_path("preferences", output), PAIRS_SCHEMA).to_pylist())
 
 
 def stage_pairs(ctx, keep_margin: bool = False) -> tuple[list[dict], int]:

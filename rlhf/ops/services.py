@@ -22,11 +22,11 @@ import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
 from pathlib import Path
 
 from rlhf.core.config import PipelineConfig
 from rlhf.core.models import home
+from rlhf.core.tracking import server_problem
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: rlhf/ops/services.py
 BIN = Path(sys.executable).parent
@@ -57,11 +57,7 @@ def _alive(pid: int) -> bool:
 
 
 def _healthy(api: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return server_problem(api, timeout=2) is None  # GET <api>/health answers 200
 
 
 def _spawn(state: Path, name: str, argv: list[str], env: dict) -> int:

@@ -26,22 +26,20 @@ import torch
 
 from rlhf.core.config import DPOConfig
 from rlhf.core.store import CHECKPOINTS
-from rlhf.data.pairs import PAIRS_SCHEMA
+from rlhf.data.pairs import PAIRS_SCHEMA, training_rows
 from rlhf.data.tasks import Problem, Task
 from rlhf.engines.engine import HFEngine
-from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.train.onpolicy import make_judge, pair_rows, sample_and_judge
 from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, ref_table, screen
-from rlhf.train.training import METRICS_SCHEMA, publish_model, write_metrics
+from rlhf.train.training import METRICS_SCHEMA, held_out_accuracy, publish_model, write_metrics
 
 ROUNDS = "rounds"
 ROUND_FIELDS = ("pairs", "ties", "score_mean", "steps", "accuracy")  # reported as dpo/round_<r>/<field>
 
 
-def round_problems(task: Task, per_round: int | None, rl_size: int, r: int) -> list[Problem]:
-    """Round r's prompts (r >= 2): the (r-1)-th slice of the fresh RL draw, or the training prompts again."""
-    n = min(per_round or len(task.train), len(task.train))
+def round_problems(task: Task, n: int, rl_size: int, r: int) -> list[Problem]:
+    """Round r's n prompts (r >= 2): the (r-1)-th slice of the fresh RL draw, or the training prompts again."""
     return task.rl[(r - 2) * n:(r - 1) * n] if rl_size else task.train[:n]
 
 
@@ -76,26 +74,21 @@ def read_round_metrics(ctx, r: int) -> list[dict]:
     return ctx.store.read_table(ctx.path(ROUNDS, str(r), "metrics.parquet"), METRICS_SCHEMA).to_pylist()
 
 
-def training_rows(pairs: list[dict]) -> list[dict]:
-    return [{k: row[k] for k in ("prompt", "chosen", "rejected", "pair_id")} for row in pairs]
-
-
-def round_data(cfg: DPOConfig, ctx, model, tokenizer, r: int) -> tuple[list[dict], list[dict], dict]:
-    """Round r's (training rows, reference rows, record): read back when a crashed attempt finished
+def round_data(cfg: DPOConfig, ctx, model, tokenizer, r: int) -> tuple[list[dict], pa.Table, dict]:
+    """Round r's (training rows, reference table, record): read back when a crashed attempt finished
     sampling, else sampled from `model` (the round r-1 policy), judged, paired and scored."""
     folder = ctx.path(ROUNDS, str(r))
     record = ctx.store.read_json(f"{folder}/data.json")
     if isinstance(record, dict) and record.get("round") == r:
         pairs = ctx.store.read_table(f"{folder}/pairs.parquet", PAIRS_SCHEMA).to_pylist()
-        ref = ctx.store.read_table(f"{folder}/{TABLE}", REF_LOGPS_SCHEMA).to_pylist()
+        ref = ctx.store.read_table(f"{folder}/{TABLE}", REF_LOGPS_SCHEMA)
         ctx.log.info("dpo round %d: %d pairs sampled before the restart, reused", r, len(pairs))
         return training_rows(pairs), ref, record
-    for name in ctx.store.list_dirs(ctx.path(CHECKPOINTS)):  # round r-1's: this round's trainer starts fresh
-        ctx.store.remove(ctx.path(CHECKPOINTS, name))
+    ctx.store.remove(ctx.path(CHECKPOINTS))  # round r-1's: this round's trainer starts fresh
 
     pcfg, prefs = ctx.cfg, ctx.cfg.preferences
     task = Task(pcfg.data)
-    problems = round_problems(task, prefs.prompts, pcfg.data.rl_size, r)
+    problems = round_problems(task, pcfg.preference_prompts(), pcfg.data.rl_size, r)
     judge, judge_name = make_judge(prefs, task, pcfg.model.dtype)
     t0 = time.perf_counter()
 
@@ -121,20 +114,17 @@ def round_data(cfg: DPOConfig, ctx, model, tokenizer, r: int) -> tuple[list[dict
     ctx.store.write_json(f"{folder}/data.json", record)  # last: the round's data is complete
     ctx.log.info("dpo round %d: %d pairs (%d ties) from %d prompts, sampled reward %.3f",
                  r, len(pairs), ties, len(problems), record["score_mean"])
-    return training_rows(pairs), ref.to_pylist(), record
+    return training_rows(pairs), ref, record
 
 
 def finish_round(ctx, cfg: DPOConfig, r: int, model, tokenizer, progress_table: pa.Table, steps: int,
                  data: dict) -> dict:
     """Publishes round r's model and metrics, then its record (last); returns the record."""
-    task = Task(ctx.cfg.data)
-    held_out = task.eval[: cfg.eval_prompts]
-    accuracy = verifier_accuracy(model, tokenizer, task, held_out, cfg.eval_max_new_tokens) if held_out else None
+    accuracy = held_out_accuracy(ctx, model, tokenizer, cfg)
     folder = str(Path(ROUNDS) / str(r))
     publish_model(ctx, model, tokenizer, f"{folder}/model")
     write_metrics(ctx, progress_table, f"{folder}/metrics.parquet")
     record = {**data, "round": r, "steps": steps, "accuracy": accuracy}
     ctx.store.write_json(ctx.path(folder, "round.json"), record)  # last: the round is complete
-    ctx.log.info("dpo round %d done: %d steps, held-out accuracy %s", r, steps,
-                 "n/a" if accuracy is None else f"{accuracy:.3f}")
+    ctx.log.info("dpo round %d done: %d steps", r, steps)
     return record

@@ -296,14 +296,22 @@ class TrainerRun:
     def publish_policy(self, trainer, tokenizer, opts, metrics: dict[str, float]) -> dict[str, str]:
         """After training a policy: merge LoRA, add held-out verifier accuracy to `metrics` as
         `<stage>/accuracy`, publish the model and the metrics table. Returns the stage's outputs."""
-        from rlhf.engines.generation import verifier_accuracy
-        from rlhf.data.tasks import Task
-
         ctx = self.ctx
         trained = trainer.model.merge_and_unload() if opts.lora.enabled else trainer.model
-        task = Task(ctx.cfg.data)
-        held_out = task.eval[: opts.eval_prompts]
-        if held_out and dist.is_main():
-            metrics[f"{ctx.stage}/accuracy"] = verifier_accuracy(trained, tokenizer, task, held_out, opts.eval_max_new_tokens)
-            ctx.log.info("%s: trained policy held-out accuracy %.3f", ctx.stage, metrics[f"{ctx.stage}/accuracy"])
+        if dist.is_main() and (accuracy := held_out_accuracy(ctx, trained, tokenizer, opts)) is not None:
+            metrics[f"{ctx.stage}/accuracy"] = accuracy
         return {"model": publish_model(ctx, trained, tokenizer), "metrics": write_metrics(ctx, self.progress.table())}
+
+
+def held_out_accuracy(ctx, model, tokenizer, opts) -> float | None:
+    """Greedy verifier accuracy on the first opts.eval_prompts held-out prompts (logged); None when 0."""
+    from rlhf.engines.generation import verifier_accuracy
+    from rlhf.data.tasks import Task
+
+    task = Task(ctx.cfg.data)
+    held_out = task.eval[: opts.eval_prompts]
+    if not held_out:
+        return None
+    accuracy = verifier_accuracy(model, tokenizer, task, held_out, opts.eval_max_new_tokens)
+    ctx.log.info("%s: trained policy held-out accuracy %.3f", ctx.stage, accuracy)
+    return accuracy
