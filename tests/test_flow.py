@@ -121,7 +121,8 @@ def test_progress_reaches_a_prefect_progress_artifact():
                 progress.report("sft", step, 4)
         return str(listener.id)
 
-    with prefect_test_harness():
+    # 30 s (Prefect's default) timed out once in CI on 2 busy cores; `rlhf run` gives its temporary API 120 s too
+    with prefect_test_harness(server_startup_timeout=120):
         artifact_id = stage_like()
         with get_client(sync_client=True) as client:
             found = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[artifact_id])))
