@@ -37,6 +37,9 @@ if WORKER:
         (_home / "models").symlink_to(_base / "models")
     os.environ["RLHF_HOME"] = str(_home)
     os.environ["PREFECT_HOME"] = str(_home / "prefect")
+# trackio keeps its SQLite files in TRACKIO_DIR (read once, when trackio is first imported): the scratch
+# folder, not the user's $HF_HOME
+os.environ["TRACKIO_DIR"] = str(home() / "trackio")
 
 # Files with the longest waits first (Prefect heartbeat windows, the vLLM and MLflow environments' builds, RL runs):
 # with workers, their idle time then overlaps the rest of the suite instead of trailing it.

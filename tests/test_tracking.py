@@ -27,7 +27,7 @@ GRPO = ["grpo.iterations=4", "grpo.save_every=2", "grpo.prompts_per_iteration=2"
 
 
 def events(store: ArtifactStore, run: str, stage: str, tmp_path) -> EventAccumulator:
-    local = store.get_dir(store.stage_path(run, stage, tracking.FOLDER), tmp_path / f"tb-{stage}")
+    local = store.get_dir(store.stage_path(run, stage, tracking.FOLDERS["tensorboard"]), tmp_path / f"tb-{stage}")
     acc = EventAccumulator(str(local), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
@@ -53,7 +53,7 @@ def test_stages_log_params_step_metrics_and_finals_and_a_resumed_stage_continues
     monkeypatch.setenv(CRASH_ENV, "grpo:2")
     with pytest.raises(InjectedCrash):
         execute_stage(cfg, "grpo")
-    assert not store.fs.exists(store.stage_path("tiny", "grpo", tracking.FOLDER))  # uploaded with the result only
+    assert not store.fs.exists(store.stage_path("tiny", "grpo", tracking.FOLDERS["tensorboard"]))  # uploaded with the result only
     monkeypatch.delenv(CRASH_ENV)
     grpo = execute_stage(cfg, "grpo")
     assert grpo["status"] == "resumed"
@@ -67,7 +67,7 @@ def test_no_backend_writes_nothing(tiny_cfg):
     cfg = tiny_cfg(*only("sft"))
     execute_stage(cfg, "sft")
     store = ArtifactStore(cfg.storage)
-    assert not store.fs.exists(store.stage_path("tiny", "sft", tracking.FOLDER))
+    assert not store.fs.exists(store.stage_path("tiny", "sft", tracking.FOLDERS["tensorboard"]))
 
 
 def test_a_backend_that_is_not_installed_fails_validation(monkeypatch, tmp_path):

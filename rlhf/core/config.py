@@ -170,12 +170,44 @@ class MlflowOptions(Strict):
         return v.rstrip("/")
 
 
+NAME = r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$"  # a tracker's project or entity: no path, no leading dot
+
+
+class TrackioOptions(Strict):
+    """trackio (tracking.backends: [trackio]): local SQLite in trackio's own folder (TRACKIO_DIR, default
+    $HF_HOME/trackio); `trackio show` opens its dashboard. Nothing leaves the machine."""
+
+    # trackio project; its runs are named <run>.<stage>.<key prefix> and grouped by the pipeline run
+    project: str = Field("rlhf", min_length=1, max_length=100, pattern=NAME)
+
+
+class WandbOptions(Strict):
+    """Weights & Biases (tracking.backends: [wandb]). Offline by default: run files go to <stage>/wandb/ in
+    the store (`wandb sync <folder>` uploads them later); online needs WANDB_API_KEY (or `wandb login`)
+    and a reachable WANDB_BASE_URL (default https://api.wandb.ai), checked before any work."""
+
+    # offline: files only (synced later with `wandb sync`); online: logs to the W&B server as it trains
+    mode: Literal["offline", "online"] = "offline"
+    project: str = Field("rlhf", min_length=1, max_length=128, pattern=NAME)  # W&B project
+    entity: str | None = Field(None, min_length=1, max_length=128, pattern=NAME)  # team or user
+
+
 class TrackingConfig(Strict):
     # Experiment trackers that also receive params, per-step and final metrics (the store keeps them anyway):
     # tensorboard writes event files to <stage>/tensorboard/ in the store; mlflow logs to tracking.mlflow.uri,
-    # one run per pipeline run with a nested run per stage. Not part of any content key.
-    backends: list[Literal["tensorboard", "mlflow"]] = Field(default_factory=list)
+    # one run per pipeline run with a nested run per stage; trackio and wandb log a run per stage grouped by
+    # the pipeline run (wandb's offline files go to <stage>/wandb/). Not part of any content key.
+    backends: list[Literal["tensorboard", "mlflow", "trackio", "wandb"]] = Field(default_factory=list)
     mlflow: MlflowOptions = MlflowOptions()
+    trackio: TrackioOptions = TrackioOptions()
+    wandb: WandbOptions = WandbOptions()
+
+    @field_validator("backends")
+    @classmethod
+    def _once(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a backend twice: {v}")
+        return v
 
 
 class StorageConfig(Strict):

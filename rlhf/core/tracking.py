@@ -16,17 +16,33 @@ Backends (tracking.backends):
                tags and continues it: one run per stage, not two. Records become params (`config.*`,
                `inputs.*`, ...; those already logged are kept, as MLflow params cannot change), outputs
                become tags. A server that stops answering mid-stage costs the curves, never the stage.
+  trackio      a run per stage, named <run>.<stage>.<key prefix> and grouped by the pipeline run, in trackio's
+               local SQLite (TRACKIO_DIR); the record becomes the run's config. A resumed stage continues
+               its run (trackio's resume="allow" on that name).
+  wandb        a run per stage (group: the pipeline run, job type: the stage), its id derived from run,
+               stage and content key, so a resumed stage resumes that run (W&B's resume="allow"). Offline
+               by default: the run files are written under the stage's scratch folder and uploaded to
+               `<stage>/wandb/` in the store when the stage ends; `wandb sync` uploads them later (the
+               attempts of a resumed stage are separate folders with one run id). No git, code, system
+               metrics or machine metadata are captured: the stage record says what ran.
+
+A multi-process stage logs from two processes: the runner (params, final metrics) and rank 0 of the
+launched workers (every step). Backends that hold one writer per run (trackio, wandb) are closed by the
+runner while the workers run and reopened after (Tracker.handoff).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import netrc
 import logging
 import math
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,19 +53,57 @@ from rlhf.core.config import TrackingConfig
 log = logging.getLogger("rlhf.tracking")
 # backend -> the module it needs, and how to get it
 NEEDS = {"tensorboard": ("tensorboard", "pip install tensorboard (or the [tracking] extra)"),
-         "mlflow": ("mlflow", "pip install mlflow-skinny==3.17.2 (or the [tracking] extra)")}
-FOLDER = "tensorboard"
+         "mlflow": ("mlflow", "pip install mlflow-skinny==3.17.2 (or the [tracking] extra)"),
+         "trackio": ("trackio", "pip install trackio==0.43.0 (or the [tracking] extra)"),
+         "wandb": ("wandb", "pip install wandb==0.31.0 (or the [tracking] extra)")}
+# backends that write files under the stage's scratch folder; the runner uploads them to <stage>/<folder>/
+FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+WANDB_URL = "https://api.wandb.ai"
+
+
+def _probe(url: str, timeout: float) -> tuple[int | None, str | None]:
+    """(HTTP status, None) when something answers HTTP at `url`, else (None, why not)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, None
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except (OSError, ValueError) as e:
+        return None, str(getattr(e, "reason", e))
 
 
 def server_problem(uri: str, timeout: float = 3.0) -> str | None:
     """Why the MLflow server at `uri` cannot be used, or None when its /health answers 200."""
+    status, why = _probe(f"{uri}/health", timeout)
+    return why if why else None if status == 200 else f"/health answered HTTP {status}"
+
+
+def shown(url: str) -> str:
+    """scheme://host[:port] of a URL from the environment: its user:password@, path and query stay out of messages."""
+    parts = urllib.parse.urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}" if parts.hostname else "(unparsable URL)"
+
+
+def wandb_problem(env: dict | None = None) -> str | None:
+    """Why online W&B cannot log from here: no API key, or no answer from its server (any HTTP status
+    counts as one). Neither the key nor credentials in WANDB_BASE_URL reach the message."""
+    env = os.environ if env is None else env
+    base = env.get("WANDB_BASE_URL", WANDB_URL).rstrip("/")
     try:
-        with urllib.request.urlopen(f"{uri}/health", timeout=timeout) as r:
-            return None if r.status == 200 else f"/health answered HTTP {r.status}"
-    except urllib.error.HTTPError as e:
-        return f"/health answered HTTP {e.code}"
-    except (OSError, ValueError) as e:
-        return str(getattr(e, "reason", e))
+        where = shown(base)
+    except ValueError:  # a port that is not a number
+        where = "(unparsable URL)"
+    if not env.get("WANDB_API_KEY"):
+        try:
+            known = netrc.netrc().authenticators(urllib.parse.urlsplit(base).hostname or "") is not None  # `wandb login`
+        except (OSError, ValueError, netrc.NetrcParseError):
+            known = False
+        if not known:
+            return f"no W&B API key: set WANDB_API_KEY or run `wandb login` (server {where})"
+    if (why := _probe(base, 3.0)[1]) is not None:
+        return f"no W&B server answers at {where} ({why}); set WANDB_BASE_URL, or use tracking.wandb.mode: offline"
+    return None
 
 
 def backend_problems(cfg: TrackingConfig, reachability: bool = True) -> list[str]:
@@ -62,6 +116,8 @@ def backend_problems(cfg: TrackingConfig, reachability: bool = True) -> list[str
         elif name == "mlflow" and reachability and (why := server_problem(cfg.mlflow.uri)):
             out.append(f"tracking.mlflow.uri: no MLflow server answers at {cfg.mlflow.uri} ({why}); `rlhf up` "
                        "starts one for a 127.0.0.1 or localhost URI, or point tracking.mlflow.uri at yours")
+        elif name == "wandb" and cfg.wandb.mode == "online" and reachability and (why := wandb_problem()):
+            out.append(f"tracking.wandb.mode: online, but {why}")
     return out
 
 
@@ -83,6 +139,10 @@ def finite(metrics: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def record_text(value: dict) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str)
+
+
 class TensorBoard:
     def __init__(self, logdir: Path):
         from torch.utils.tensorboard import SummaryWriter
@@ -90,13 +150,16 @@ class TensorBoard:
         logdir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(logdir))
 
+    def final(self, metrics: dict[str, float]) -> None:
+        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
     def text(self, tag: str, value: dict) -> None:
-        self.writer.add_text(tag, "```\n" + json.dumps(value, indent=2, sort_keys=True, default=str) + "\n```")
+        self.writer.add_text(tag, "```\n" + record_text(value) + "\n```")
         self.writer.flush()
 
     def close(self, failed: bool) -> None:
@@ -131,6 +194,9 @@ class MLflow:
             return found[0].info.run_id
         return self.client.create_run(self.exp, run_name=name, tags={**tags, **(extra or {})}).info.run_id
 
+    def final(self, metrics: dict[str, float]) -> None:
+        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
@@ -159,6 +225,96 @@ class MLflow:
         self.client.set_terminated(self.parent, status)  # the pipeline run shows its latest stage's status
 
 
+class Trackio:
+    """A run per stage in trackio's local store, grouped by the pipeline run; the record is its config."""
+
+    def __init__(self, cfg: TrackingConfig, run: str, stage: str, key: str):
+        self.args = {"project": cfg.trackio.project, "name": f"{run}.{stage}.{key[:12]}", "group": run}
+        self.config: dict[str, str] = {}
+        self.step = 0
+        self._open()
+
+    def _open(self) -> None:
+        import trackio
+
+        # no CPU/GPU sampling thread: the ledger measures the stage; no notebook embedding
+        self.run = trackio.init(**self.args, config=dict(self.config) or None, resume="allow", embed=False,
+                                auto_log_cpu=False, auto_log_gpu=False)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+        self.step = max(self.step, step)
+
+    def final(self, metrics: dict[str, float]) -> None:
+        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
+
+    def text(self, tag: str, value: dict) -> None:
+        import trackio
+
+        if tag.rsplit("/", 1)[-1] == "params":  # the runner's first call: the config goes out with the first log
+            self.config.update(flatten(value))
+            self.run.config.update(flatten(value))
+        else:
+            self.run.log({tag: trackio.Markdown(f"```json\n{record_text(value)}\n```")}, step=self.step)
+
+    def pause(self) -> None:
+        self.run.finish()
+
+    def resume(self) -> None:
+        self._open()
+
+    def close(self, failed: bool) -> None:
+        self.run.finish()
+
+
+def wandb_run_id(run: str, stage: str, key: str) -> str:
+    """One W&B run id per (run, stage, content key): a resumed stage finds its run, a changed stage starts
+    another. Hashed because W&B ids are short and exclude some characters."""
+    return hashlib.sha256(f"{run}\0{stage}\0{key}".encode()).hexdigest()[:20]
+
+
+class Wandb:
+    """A W&B run per stage (group: the pipeline run; job type: the stage), offline unless configured."""
+
+    def __init__(self, cfg: TrackingConfig, workdir: Path, run: str, stage: str, key: str):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.args = {"project": cfg.wandb.project, "entity": cfg.wandb.entity, "id": wandb_run_id(run, stage, key),
+                     "name": f"{run}/{stage}", "group": run, "job_type": stage, "mode": cfg.wandb.mode,
+                     "dir": str(workdir), "resume": "allow"}
+        self._open()
+
+    def _open(self) -> None:
+        import wandb
+
+        # nothing captured beyond what the stage logs: no git state, code, console, system metrics or host
+        # metadata (the manifest records what ran; a remote URL may carry a token)
+        settings = wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
+                                  x_disable_stats=True, x_disable_meta=True, x_save_requirements=False)
+        self.run = wandb.init(**self.args, settings=settings, reinit="create_new")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def final(self, metrics: dict[str, float]) -> None:
+        # W&B steps only grow: final figures go to the run's summary, not to a step 0 after the curve
+        self.run.summary.update({f"final/{k}": v for k, v in metrics.items()})
+
+    def text(self, tag: str, value: dict) -> None:
+        if tag.rsplit("/", 1)[-1] == "params":
+            self.run.config.update(flatten(value), allow_val_change=True)
+        else:
+            self.run.summary.update({f"output.{k}": v for k, v in flatten(value).items()})
+
+    def pause(self) -> None:
+        self.run.finish()
+
+    def resume(self) -> None:
+        self._open()
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
 class Tracker:
     """Writes to every configured backend; with none, every call does nothing. A backend that raises is
     dropped for the rest of the stage with one warning: the store keeps the numbers either way."""
@@ -167,33 +323,59 @@ class Tracker:
         self.backends = backends
 
     @classmethod
-    def open(cls, cfg: TrackingConfig, logdir: Path, run: str = "", stage: str = "", key: str = "") -> Tracker:
+    def open(cls, cfg: TrackingConfig, workdir: Path, run: str = "", stage: str = "", key: str = "") -> Tracker:
+        """`workdir`: the stage attempt's scratch folder; file-writing backends write under FOLDERS there."""
         backends = []
         if "tensorboard" in cfg.backends:
-            backends.append(TensorBoard(logdir))
-        if "mlflow" in cfg.backends:
-            try:
-                backends.append(MLflow(cfg, run, stage, key))
-            except Exception as e:  # noqa: BLE001 (any client failure: the stage runs without it)
-                log.warning("mlflow: %s at %s: %s; this stage logs without it", type(e).__name__, cfg.mlflow.uri, e)
+            backends.append(TensorBoard(workdir / FOLDERS["tensorboard"]))
+        remote = {"mlflow": lambda: MLflow(cfg, run, stage, key), "trackio": lambda: Trackio(cfg, run, stage, key),
+                  "wandb": lambda: Wandb(cfg, workdir, run, stage, key)}
+        for name, make in remote.items():
+            if name in cfg.backends:
+                try:
+                    backends.append(make())
+                except Exception as e:  # noqa: BLE001 (any client failure: the stage runs without it)
+                    log.warning("%s: %s: %s; this stage logs without it", name, type(e).__name__, e)
         return cls(backends)
+
+    def _call(self, backend, call: str, *args) -> None:
+        try:
+            getattr(backend, call)(*args)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: %s: %s; this stage logs without it", type(backend).__name__.lower(), type(e).__name__, e)
+            self.backends.remove(backend)
 
     def _each(self, call: str, *args) -> None:
         for backend in list(self.backends):
-            try:
-                getattr(backend, call)(*args)
-            except Exception as e:  # noqa: BLE001
-                log.warning("%s: %s: %s; this stage logs without it", type(backend).__name__.lower(), type(e).__name__, e)
-                self.backends.remove(backend)
+            self._call(backend, call, *args)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Scalars at one step; values that are not finite numbers are skipped (NaN has no curve)."""
         if self.backends and (values := finite(metrics)):
             self._each("log", step, values)
 
+    def final(self, metrics: dict[str, float]) -> None:
+        """The stage's final metrics (as `final/<name>`)."""
+        if self.backends and (values := finite(metrics)):
+            self._each("final", values)
+
     def text(self, tag: str, value: dict) -> None:
         """A record (config, keys, outputs)."""
         self._each("text", tag, value)
+
+    @contextmanager
+    def handoff(self) -> Iterator[None]:
+        """Closes the single-writer backends' runs while another process (a launched stage's rank 0) logs to
+        them, and reopens them after."""
+        paused = [b for b in self.backends if hasattr(b, "pause")]
+        for b in paused:
+            self._call(b, "pause")
+        try:
+            yield
+        finally:
+            for b in paused:
+                if b in self.backends:
+                    self._call(b, "resume")
 
     def close(self, failed: bool = False) -> None:
         self._each("close", failed)
@@ -209,10 +391,10 @@ def current() -> Tracker:
 
 
 @contextmanager
-def stage_tracker(cfg: TrackingConfig, logdir: Path, run: str = "", stage: str = "", key: str = "") -> Iterator[Tracker]:
+def stage_tracker(cfg: TrackingConfig, workdir: Path, run: str = "", stage: str = "", key: str = "") -> Iterator[Tracker]:
     """Makes a tracker this process's current one for the duration of a stage."""
     global _current
-    tracker = Tracker.open(cfg, logdir, run, stage, key)
+    tracker = Tracker.open(cfg, workdir, run, stage, key)
     previous, _current = _current, tracker
     failed = True
     try:

@@ -72,7 +72,8 @@ def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
     path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
     env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": path}
     tail: deque[str] = deque(maxlen=30)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+    with tracking.current().handoff(), \
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         for line in proc.stdout:
             tail.append(line.rstrip())
             ctx.log.info("%s", line.rstrip())
@@ -103,7 +104,7 @@ def _worker(spec_path: str) -> None:
     ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
                        logging.getLogger(f"rlhf.{stage}"))
     try:  # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
-        with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir / tracking.FOLDER,
+        with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir,
                                    cfg.run.name, stage, spec["key"]):
             result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
     except BaseException as e:  # the parent names the root cause, not torchrun's summary of signals

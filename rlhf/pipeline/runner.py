@@ -107,15 +107,15 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     record = {"key": key, "inputs": {s: m["key"] for s, m in inputs.items()}, "config": cfg.stage(stage).model_dump(mode="json"),
               "shared": shared_sections(cfg, stage), "model": model_identity(cfg.model), "data": cfg.data.model_dump(mode="json"),
               "seed": cfg.run.seed}
-    tb_dir = workdir / tracking.FOLDER
     try:
-        with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking, tb_dir, run, stage, key) as tracker:
+        with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking, workdir, run, stage, key) as tracker:
             tracker.text(f"{stage}/params", record)
             result: StageResult = run_stage(module, cfg.stage(stage), ctx)
-            tracker.log(0, {f"final/{k}": v for k, v in result.metrics.items()})
+            tracker.final(result.metrics)
             tracker.text(f"{stage}/outputs", {n: store.url(output_path(store, run, stage, n, rel)) for n, rel in result.outputs.items()})
-        if "tensorboard" in cfg.tracking.backends and tb_dir.is_dir():  # before the manifest: a stage without one is incomplete
-            store.put_dir(tb_dir, ctx.path(tracking.FOLDER))
+        for backend, folder in tracking.FOLDERS.items():  # before the manifest: a stage without one is incomplete
+            if backend in cfg.tracking.backends and (workdir / folder).is_dir():
+                store.put_dir(workdir / folder, ctx.path(folder))
     except StorageError as e:  # name the stage; the URL (never credentials) is in the message already
         raise StorageError(f"stage {stage!r} of run {run!r}: {e}") from e
     seconds = time.perf_counter() - t0
