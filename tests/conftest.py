@@ -177,6 +177,35 @@ def only(*stages: str) -> list[str]:
     return [f"{s}.enabled={'true' if s in stages else 'false'}" for s in STAGES]
 
 
+# a GRPO short enough to crash after iteration 2 (checkpointed) and resume for iterations 3 and 4
+TRACKED_GRPO = ["grpo.iterations=4", "grpo.save_every=2", "grpo.prompts_per_iteration=2", "grpo.group_size=4",
+                "grpo.minibatch_size=8", "grpo.eval_prompts=0"]
+
+
+def sft_then_resumed_grpo(cfg, monkeypatch, uploaded: str | None = None):
+    """The trackers' scenario: SFT, then GRPO (TRACKED_GRPO) crashed after iteration 2 and resumed. Returns the
+    store, both manifests and SFT's logged loss by step; with `uploaded`, checks that the crashed attempt put
+    nothing in <grpo>/<uploaded>/ (tracker files reach the store with the stage's result only)."""
+    from rlhf.core.store import ArtifactStore
+    from rlhf.pipeline.runner import execute_stage
+    from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+
+    store = ArtifactStore(cfg.storage)
+    sft = execute_stage(cfg, "sft")
+    table = store.read_table(store.stage_path(cfg.run.name, "sft", sft["outputs"]["metrics"]), METRICS_SCHEMA).to_pylist()
+    loss = {r["step"]: r["value"] for r in table if r["name"] == "loss"}
+    assert len(loss) >= 3
+    monkeypatch.setenv(CRASH_ENV, "grpo:2")
+    with pytest.raises(InjectedCrash):
+        execute_stage(cfg, "grpo")
+    if uploaded:
+        assert not store.fs.exists(store.stage_path(cfg.run.name, "grpo", uploaded))
+    monkeypatch.delenv(CRASH_ENV)
+    grpo = execute_stage(cfg, "grpo")
+    assert grpo["status"] == "resumed"
+    return store, sft, grpo, loss
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """The installed `rlhf` console command, as a user runs it."""
     exe = Path(sys.executable).parent / "rlhf"

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import CONFIG, only
+from conftest import CONFIG, TRACKED_GRPO, only, sft_then_resumed_grpo
 from trackio.sqlite_storage import SQLiteStorage
 from wandb.proto.wandb_internal_pb2 import Record
 
@@ -18,10 +18,7 @@ from rlhf.core import tracking
 from rlhf.core.loader import ConfigError, load_config
 from rlhf.core.store import ArtifactStore
 from rlhf.pipeline.runner import execute_stage
-from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
 
-GRPO = ["grpo.iterations=4", "grpo.save_every=2", "grpo.prompts_per_iteration=2", "grpo.group_size=4",
-        "grpo.minibatch_size=8", "grpo.eval_prompts=0"]
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 BLOCK = 32768
 
@@ -74,20 +71,8 @@ def curve(rows: list[dict], name: str, step: str = "step") -> dict[int, float]:
 def test_trackio_and_wandb_runs_per_stage_with_params_curves_finals_and_one_run_after_a_resume(tiny_cfg, tmp_path, monkeypatch):
     project = f"rlhf-test-{uuid.uuid4().hex[:8]}"
     cfg = tiny_cfg(*only("sft", "grpo"), "tracking.backends=[trackio, wandb]", f"tracking.trackio.project={project}",
-                   f"tracking.wandb.project={project}", *GRPO)
-    store = ArtifactStore(cfg.storage)
-    sft = execute_stage(cfg, "sft")
-    table = store.read_table(store.stage_path("tiny", "sft", sft["outputs"]["metrics"]), METRICS_SCHEMA).to_pylist()
-    logged = {r["step"]: r["value"] for r in table if r["name"] == "loss"}
-    assert len(logged) >= 3
-
-    monkeypatch.setenv(CRASH_ENV, "grpo:2")  # GRPO crashes after iteration 2 (checkpointed), then resumes
-    with pytest.raises(InjectedCrash):
-        execute_stage(cfg, "grpo")
-    assert not store.fs.exists(store.stage_path("tiny", "grpo", tracking.FOLDERS["wandb"]))  # uploaded with the result only
-    monkeypatch.delenv(CRASH_ENV)
-    grpo = execute_stage(cfg, "grpo")
-    assert grpo["status"] == "resumed"
+                   f"tracking.wandb.project={project}", *TRACKED_GRPO)
+    store, sft, grpo, logged = sft_then_resumed_grpo(cfg, monkeypatch, uploaded=tracking.FOLDERS["wandb"])
 
     # trackio: one run per stage, grouped by the pipeline run, the resumed GRPO included
     names = {s: f"tiny.{s}.{m['key'][:12]}" for s, m in (("sft", sft), ("grpo", grpo))}

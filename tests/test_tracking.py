@@ -9,7 +9,7 @@ import subprocess
 import uuid
 
 import pytest
-from conftest import CONFIG, REPO, only
+from conftest import CONFIG, REPO, TRACKED_GRPO, only, sft_then_resumed_grpo
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
@@ -19,11 +19,9 @@ from rlhf.core.store import ArtifactStore
 from rlhf.ops import services
 from rlhf.ops.cli import app
 from rlhf.pipeline.runner import execute_stage
-from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+from rlhf.train.training import METRICS_SCHEMA
 
 TB = "tracking.backends=[tensorboard]"
-GRPO = ["grpo.iterations=4", "grpo.save_every=2", "grpo.prompts_per_iteration=2", "grpo.group_size=4",
-        "grpo.minibatch_size=8", "grpo.eval_prompts=0"]
 
 
 def events(store: ArtifactStore, run: str, stage: str, tmp_path) -> EventAccumulator:
@@ -38,25 +36,14 @@ def scalar(acc: EventAccumulator, tag: str) -> dict[int, float]:
 
 
 def test_stages_log_params_step_metrics_and_finals_and_a_resumed_stage_continues_its_curves(tiny_cfg, tmp_path, monkeypatch):
-    cfg = tiny_cfg(*only("sft", "grpo"), TB, *GRPO)
-    store = ArtifactStore(cfg.storage)
-    sft = execute_stage(cfg, "sft")
+    cfg = tiny_cfg(*only("sft", "grpo"), TB, *TRACKED_GRPO)
+    store, sft, grpo, loss = sft_then_resumed_grpo(cfg, monkeypatch, uploaded=tracking.FOLDERS["tensorboard"])
     acc = events(store, "tiny", "sft", tmp_path)
-    table = store.read_table(store.stage_path("tiny", "sft", sft["outputs"]["metrics"]), METRICS_SCHEMA).to_pylist()
-    logged = {r["step"]: r["value"] for r in table if r["name"] == "loss"}
-    assert scalar(acc, "sft/loss") == pytest.approx(logged) and len(logged) >= 3  # every Trainer log line
+    assert scalar(acc, "sft/loss") == pytest.approx(loss)  # every Trainer log line
     assert scalar(acc, "final/sft/accuracy") == {0: pytest.approx(sft["metrics"]["sft/accuracy"])}
     params = acc.Tensors("sft/params/text_summary")[0].tensor_proto.string_val[0].decode()
     assert sft["key"] in params and '"learning_rate": 0.001' in params
 
-    # GRPO crashes after iteration 2 (checkpointed), then resumes: one curve, each iteration once
-    monkeypatch.setenv(CRASH_ENV, "grpo:2")
-    with pytest.raises(InjectedCrash):
-        execute_stage(cfg, "grpo")
-    assert not store.fs.exists(store.stage_path("tiny", "grpo", tracking.FOLDERS["tensorboard"]))  # uploaded with the result only
-    monkeypatch.delenv(CRASH_ENV)
-    grpo = execute_stage(cfg, "grpo")
-    assert grpo["status"] == "resumed"
     acc = events(store, "tiny", "grpo", tmp_path)
     rewards = [e.step for e in acc.Scalars("grpo/reward_mean")]
     assert rewards == [1, 2, 3, 4]  # the first attempt's iterations and the resumed ones, none twice
@@ -107,15 +94,8 @@ def test_mlflow_pipeline_run_with_a_nested_run_per_stage_and_one_run_after_a_res
 
     experiment = f"test-{uuid.uuid4().hex[:8]}"
     cfg = tiny_cfg(*only("sft", "grpo"), "tracking.backends=[mlflow]", f"tracking.mlflow.uri={mlflow_uri}",
-                   f"tracking.mlflow.experiment={experiment}", *GRPO)
-    store = ArtifactStore(cfg.storage)
-    sft = execute_stage(cfg, "sft")
-    monkeypatch.setenv(CRASH_ENV, "grpo:2")
-    with pytest.raises(InjectedCrash):
-        execute_stage(cfg, "grpo")
-    monkeypatch.delenv(CRASH_ENV)
-    grpo = execute_stage(cfg, "grpo")
-    assert grpo["status"] == "resumed"
+                   f"tracking.mlflow.experiment={experiment}", *TRACKED_GRPO)
+    store, sft, grpo, _ = sft_then_resumed_grpo(cfg, monkeypatch)
 
     client = MlflowClient(mlflow_uri)
     runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
