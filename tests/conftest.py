@@ -6,6 +6,7 @@ embedded GGUF takes 30-45 s once, and the tiny model is rebuilt from its config 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -213,3 +214,39 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600, cwd: Path =
         [str(exe), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+# Every store write in every process, recorded by a sitecustomize hook put on PYTHONPATH (launched ranks are
+# separate processes, so an in-process mock could not see them): tests check each artifact is written once.
+HOOK = '''
+import json, os
+from rlhf.core.store import ArtifactStore
+OPS = ("write_manifest", "put_dir", "write_table")
+def wrapped(name, inner):
+    def wrapper(self, *a, **kw):
+        path = a[1] if name == "write_manifest" else a[-1] if name == "put_dir" else a[0]
+        with open(os.environ["RLHF_TEST_WRITE_LOG"], "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "op": name, "path": str(path)}) + "\\n")
+        return inner(self, *a, **kw)
+    return wrapper
+if __name__ == "sitecustomize":  # a worker process: record its writes for the whole run
+    for _n in OPS:
+        setattr(ArtifactStore, _n, wrapped(_n, getattr(ArtifactStore, _n)))
+'''
+
+
+@pytest.fixture
+def write_log(tmp_path, monkeypatch):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    log = tmp_path / "writes.jsonl"
+    monkeypatch.setenv("PYTHONPATH", f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("RLHF_TEST_WRITE_LOG", str(log))
+    from rlhf.core.store import ArtifactStore
+
+    hooks: dict = {}
+    exec(HOOK, hooks)  # this (parent) process too, undone after the test
+    for name in hooks["OPS"]:
+        monkeypatch.setattr(ArtifactStore, name, hooks["wrapped"](name, getattr(ArtifactStore, name)))
+    return lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

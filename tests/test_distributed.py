@@ -10,8 +10,6 @@ the manifest, each checkpoint and each published model are written once, by one 
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -22,40 +20,7 @@ from safetensors.torch import load_file
 from rlhf.pipeline.launch import LaunchError
 from rlhf.core.loader import ConfigError, load_config
 from rlhf.pipeline.runner import execute_stage
-from rlhf.core.store import ArtifactStore
 from rlhf.train.training import CRASH_ENV
-
-HOOK = '''
-import json, os
-from rlhf.core.store import ArtifactStore
-OPS = ("write_manifest", "put_dir", "write_table")
-def wrapped(name, inner):
-    def wrapper(self, *a, **kw):
-        path = a[1] if name == "write_manifest" else a[-1] if name == "put_dir" else a[0]
-        with open(os.environ["RLHF_TEST_WRITE_LOG"], "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "op": name, "path": str(path)}) + "\\n")
-        return inner(self, *a, **kw)
-    return wrapper
-if __name__ == "sitecustomize":  # a worker process: record its writes for the whole run
-    for _n in OPS:
-        setattr(ArtifactStore, _n, wrapped(_n, getattr(ArtifactStore, _n)))
-'''
-
-
-@pytest.fixture
-def write_log(tmp_path, monkeypatch):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
-    log = tmp_path / "writes.jsonl"
-    monkeypatch.setenv("PYTHONPATH", f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("RLHF_TEST_WRITE_LOG", str(log))
-    hooks: dict = {}
-    exec(HOOK, hooks)  # this (parent) process too, undone after the test
-    for name in hooks["OPS"]:
-        monkeypatch.setattr(ArtifactStore, name, hooks["wrapped"](name, getattr(ArtifactStore, name)))
-    return lambda: [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
 
 def sft_cfg(url: str, *extra: str):
     return load_config(CONFIG, "tiny", [f"storage.url={url}", *only("sft"), "sft.per_device_batch_size=4",

@@ -272,13 +272,30 @@ class LoraConfig(Strict):
     target_modules: str | list[str] = "all-linear"  # 'all-linear' or module names
 
 
+class RayLaunch(Strict):
+    """Where a stage's ranks go on a Ray cluster (launch.backend: ray): one placement group of
+    `processes` bundles. Not part of the content key: where ranks run does not change what they compute."""
+
+    # host:port of the cluster's head (GCS); null: RAY_ADDRESS from the environment
+    address: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}$", max_length=255)
+    # PACK: few nodes; SPREAD: many; STRICT_SPREAD: one rank per node (Ray's placement strategies)
+    strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs reserved in each bundle (and torch threads per rank)
+    gpus_per_rank: int = Field(0, ge=0, le=1)  # GPUs reserved in each bundle: 0 (CPU ranks) or 1 (a rank drives one GPU)
+    ready_seconds: float = Field(60.0, gt=0.0, le=86_400.0)  # how long to wait for the cluster to place the bundles
+
+
 class LaunchConfig(Strict):
-    """Processes of one stage on one node (torchrun). The world size changes the global batch
-    (per_device_batch_size x processes x gradient_accumulation_steps), so it is part of the content key."""
+    """Processes of one stage: torchrun on this node, or ranks on a Ray cluster. The world size changes the
+    global batch (per_device_batch_size x processes x gradient_accumulation_steps), so it is part of the
+    content key; the backend and its placement are not."""
 
     processes: int = Field(1, ge=1)  # data-parallel processes; gloo on CPU, nccl on GPUs
     # ddp: replicated weights; fsdp: fully sharded (GPUs); deepspeed_zero3: DeepSpeed ZeRO-3 (GPUs, deepspeed installed)
     strategy: Literal["ddp", "fsdp", "deepspeed_zero3"] = "ddp"
+    # torchrun: processes on the worker that runs the stage; ray: ranks in a placement group of a Ray cluster
+    backend: Literal["torchrun", "ray"] = "torchrun"
+    ray: RayLaunch = RayLaunch()
 
 
 class TrainerOptions(Placement):

@@ -7,6 +7,12 @@ tables); the launcher's parent writes the manifest, once.
 
 from __future__ import annotations
 
+import os
+
+# The launcher's name for the machine a rank runs on (Ray: its node id); unset with torchrun, whose ranks
+# share one node. Ranks on one node share its scratch folder; ranks on different nodes share only the store.
+NODE_ENV = "RLHF_NODE"
+
 
 def _dist():
     import torch.distributed as dist
@@ -26,6 +32,15 @@ def rank() -> int:
 
 def is_main() -> bool:
     return rank() == 0
+
+
+def node() -> str:
+    return os.environ.get(NODE_ENV, "")
+
+
+def is_local_main() -> bool:
+    """The first rank on this node: the one that fills the node's scratch folder for the others."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 if _dist() else True
 
 
 def barrier() -> None:

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from rlhf.core.config import ConfigError, PipelineConfig, StorageConfig  # noqa: F401 (ConfigError: importers know it from here)
-from rlhf.core import tracking
+from rlhf.core import cluster, tracking
 from rlhf.core.registry import of_kind
 
 _PREFIXED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$", re.S)
@@ -230,7 +230,8 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
     cfg = validate(raw, str(path))
-    problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking, reachability)
+    problems = (local_path_problems(cfg) + tracking.backend_problems(cfg.tracking, reachability)
+                + cluster.launch_problems(cfg, reachability))
     if problems:
         raise ConfigError(str(path), problems)
     return cfg
@@ -309,4 +310,6 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
             "total_rollouts": rollouts * st.iterations,
             "max_tokens_generated": rollouts * st.iterations * cfg.rollout.max_new_tokens,
         }
+    for name, launch in cluster.ray_stages(cfg).items():
+        out.setdefault(name, {})["ray_bundles"] = cluster.describe(launch)
     return out

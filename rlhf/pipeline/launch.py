@@ -7,7 +7,8 @@ rlhf.pipeline.launch SPEC`. Every rank rebuilds the config and store from the sp
 and the RL loop shards its rollouts (rlhf/train/rl_loop.py). Rank 0 alone writes artifacts and the result file;
 the parent process turns that into the manifest, so a manifest is written exactly once. The workers'
 output is relayed line by line into the stage's log (and so into Prefect's logs).
-Single node only: the ranks share the stage's local scratch folder.
+With `launch.backend: ray` the ranks run in a placement group of a Ray cluster instead
+(rlhf/pipeline/ray_launch.py): same `rank_main`, a scratch folder per node, artifacts through the store.
 """
 
 from __future__ import annotations
@@ -15,25 +16,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import logging
 import os
 import subprocess
 import sys
 from collections import deque
-from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 
-from rlhf.core.config import LaunchConfig, PipelineConfig, TrackingConfig
+from rlhf.core.config import LaunchConfig
 from rlhf.core.models import resolve_model
 from rlhf.core import tracking
-from rlhf.core.registry import SPECS
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.core.store import ArtifactStore
-
-
-class LaunchError(RuntimeError):
-    pass
+from rlhf.pipeline.rank import LaunchError, rank_main
 
 
 def check_launch(stage: str, launch: LaunchConfig) -> None:
@@ -50,8 +43,14 @@ def check_launch(stage: str, launch: LaunchConfig) -> None:
 
 def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
     launch: LaunchConfig | None = getattr(stage_cfg, "launch", None)
-    if launch is None or launch.processes == 1:
+    if launch is None or (launch.processes == 1 and launch.backend == "torchrun"):
         return module.run(stage_cfg, ctx)
+    if launch.backend == "ray":  # the cluster's nodes check their own devices
+        from rlhf.pipeline.ray_launch import run_on_ray
+
+        spec = {"config": ctx.cfg.model_dump(mode="json"), "stage": ctx.stage, "key": ctx.key, "inputs": ctx.inputs}
+        with tracking.current().handoff():
+            return StageResult(**run_on_ray(ctx, launch, spec))
     check_launch(ctx.stage, launch)
     resolve_model(ctx.cfg.model)  # builds the local copy of the base model once, not once per rank
     folder = ctx.workdir / "launch"
@@ -86,37 +85,19 @@ def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
 
 
 def _worker(spec_path: str) -> None:
-    import torch
-    import torch.distributed as dist
-
+    """A torchrun rank: the spec and the result travel as files in the stage's scratch."""
     spec = json.loads(Path(spec_path).read_text())
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    # A long timeout: rank 0 alone evaluates and publishes at the end while the others wait; a dead rank
-    # ends the group through torchrun, not through this timeout.
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
-    rank = dist.get_rank()
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
-    cfg = PipelineConfig.model_validate(spec["config"])
-    stage = spec["stage"]
-    ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
-                       logging.getLogger(f"rlhf.{stage}"))
-    try:  # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
-        with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir,
-                                   cfg.run.name, stage, spec["key"]):
-            result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
+    try:
+        result = rank_main(spec)
     except BaseException as e:  # the parent names the root cause, not torchrun's summary of signals
+        rank = os.environ.get("RANK", "0")
         (Path(spec["workdir"]) / "launch" / f"error-rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
         raise
-    if rank == 0:
+    if result is not None:
         out = Path(spec["result"])
         tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(result)))
+        tmp.write_text(json.dumps(result))
         tmp.replace(out)  # whole or absent: the parent never reads half a result
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ from rlhf.pipeline.launch import run_stage
 
 log = logging.getLogger("rlhf.pipeline.runner")
 
-PLACEMENT = {"work_pool", "job_variables", "enabled"}  # where a stage runs: not part of its key
+# where a stage runs: not part of its key
+PLACEMENT = {"work_pool": True, "job_variables": True, "enabled": True, "launch": {"backend": True, "ray": True}}
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
 

@@ -170,10 +170,18 @@ class MirrorCheckpoints(TrainerCallback):
 
     def on_save(self, args, state, control, **kw):
         dist.barrier()  # every rank has written its part (RNG state) of the local checkpoint
+        step = state.global_step
+        local, name = self.output_dir / f"checkpoint-{step}", f"checkpoint-{step}"
+        if dist.world_size() > 1:
+            # a rank on another node than rank 0 wrote its RNG state where rank 0 cannot see it: it uploads
+            # that file itself, before rank 0 uploads the rest and the marker
+            if dist.node() != dist.broadcast(dist.node()):
+                for file in local.glob(f"rng_state_{dist.rank()}.pth"):
+                    self.ctx.store.put_file(file, self.ctx.path(CHECKPOINTS, name, file.name))
+            dist.barrier()
         if not dist.is_main():
             return
-        step = state.global_step
-        remote = store_checkpoint(self.ctx, self.output_dir / f"checkpoint-{step}", f"checkpoint-{step}")
+        remote = store_checkpoint(self.ctx, local, name)
         self.ctx.log.info("%s: checkpoint at step %d saved to %s", self.ctx.stage, step, self.ctx.store.url(remote))
 
     def on_step_end(self, args, state, control, **kw):
@@ -198,21 +206,24 @@ def latest_checkpoint(ctx) -> tuple[int, Path] | None:
     """Downloads the newest complete checkpoint of this stage into scratch; None when there is none."""
     store = ctx.store
     found = None
-    if dist.is_main():  # one download into the scratch the ranks share; all resume from it
+    if dist.is_main():  # rank 0 picks the checkpoint; every rank resumes from the same one
         done = store.complete_checkpoints(ctx.cfg.run.name, ctx.stage)
         if done:
-            step = max(done)
-            local = ctx.workdir / "resume" / done[step]
-            shutil.rmtree(local, ignore_errors=True)
-            store.get_dir(ctx.path(CHECKPOINTS, done[step]), local)
-            found = (step, str(local))
+            found = (max(done), done[max(done)])
     found = dist.broadcast(found)
-    return (found[0], Path(found[1])) if found else None
+    if found is None:
+        return None
+    local = ctx.workdir / "resume" / found[1]
+    if dist.is_local_main():  # one download per node, into the scratch its ranks share
+        shutil.rmtree(local, ignore_errors=True)
+        store.get_dir(ctx.path(CHECKPOINTS, found[1]), local)
+    dist.barrier()
+    return found[0], local
 
 
 def fresh_output_dir(ctx) -> Path:
     out = ctx.workdir / "trainer"
-    if dist.is_main():
+    if dist.is_local_main():
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
     dist.barrier()
@@ -239,7 +250,7 @@ def fetch_model(ctx, stage: str, output: str = "model") -> str:
     if ctx.store.is_local:
         return ctx.input_path(stage, output)
     local = ctx.workdir / "inputs" / stage
-    if dist.is_main():  # one download into the scratch the ranks share
+    if dist.is_local_main():  # one download per node, into the scratch its ranks share
         shutil.rmtree(local, ignore_errors=True)
         ctx.store.get_dir(ctx.input_path(stage, output), local)
     dist.barrier()

@@ -1,0 +1,50 @@
+"""One rank of a launched stage, whichever launcher started it (torchrun: rlhf/pipeline/launch.py; Ray:
+rlhf/pipeline/ray_launch.py)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+from rlhf.core import tracking
+from rlhf.core.config import PipelineConfig, TrackingConfig
+from rlhf.core.registry import SPECS
+from rlhf.core.stage import StageContext
+from rlhf.core.store import ArtifactStore
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def rank_main(spec: dict) -> dict | None:
+    """One rank of a launched stage: join the process group (torchrun's or the Ray launcher's environment),
+    rebuild config, store and context from the spec, call the stage's own `run()`. Rank 0 returns the
+    StageResult as a dict, the other ranks None."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:  # Ray shows each rank only its node's reserved GPUs; LOCAL_RANK indexes them
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # A long timeout: rank 0 alone evaluates and publishes at the end while the others wait; a dead rank
+    # ends the group through its launcher (torchrun, or the Ray launcher killing the other ranks).
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
+    rank = dist.get_rank()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
+    cfg = PipelineConfig.model_validate(spec["config"])
+    stage = spec["stage"]
+    ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
+                       logging.getLogger(f"rlhf.{stage}"))
+    # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
+    with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir, cfg.run.name, stage, spec["key"]):
+        result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
+    dist.barrier()
+    dist.destroy_process_group()
+    return asdict(result) if rank == 0 else None

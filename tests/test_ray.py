@@ -1,0 +1,164 @@
+"""Stages on a Ray cluster (`launch.backend: ray`, rlhf/pipeline/ray_launch.py): a real two-node cluster
+on this machine (ray.cluster_utils.Cluster: a head and a second raylet, 1 CPU each), ranks placed one per
+node (STRICT_SPREAD), each node with its own scratch folder, so nothing may pass between ranks except
+through the store and the process group.
+
+Equivalence as with torchrun (tests/test_distributed.py): 2 ranks at per-device batch b take the same
+optimizer steps as 1 process with gradient accumulation 2, so the weights agree to fp32 summation order."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIG
+from test_distributed import sft_cfg, weights
+from typer.testing import CliRunner
+
+from rlhf.core import cluster
+from rlhf.core.config import LaunchConfig
+from rlhf.core.loader import ConfigError, load_config
+from rlhf.ops.cli import app
+from rlhf.pipeline.launch import LaunchError
+from rlhf.pipeline.runner import content_key, execute_stage
+from rlhf.train.training import CRASH_ENV
+
+pytestmark = pytest.mark.slow  # a Ray cluster start (~5 s) and rank actors (~10 s a launch) on 2 cores
+RAY = ["sft.launch.backend=ray", "sft.launch.processes=2", "sft.launch.ray.strategy=STRICT_SPREAD"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    os.environ["RAY_ADDRESS"] = c.address
+    yield c.address
+    os.environ.pop("RAY_ADDRESS", None)
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def live_placement_groups(address: str) -> list[str]:
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        return [pg["placement_group_id"] for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+    finally:
+        ray.shutdown()
+
+
+def test_sft_on_two_ray_nodes_equals_one_process_and_a_crash_resumes_from_the_store(ray_cluster, tmp_path, write_log, monkeypatch):
+    one = str(tmp_path / "one")
+    execute_stage(sft_cfg(one, "sft.gradient_accumulation_steps=2"), "sft")
+
+    two = str(tmp_path / "two")
+    cfg = sft_cfg(two, *RAY)
+    monkeypatch.setenv(CRASH_ENV, "sft:3")  # both ranks stop after step 3; the checkpoint of step 2 is complete
+    with pytest.raises(LaunchError, match=r"stage 'sft': rank [01] on node \w+ \(.*\) failed: InjectedCrash: sft: injected crash at step 3"):
+        execute_stage(cfg, "sft")
+    monkeypatch.delenv(CRASH_ENV)
+    assert live_placement_groups(ray_cluster) == []  # released after the failure too
+    ckpt = Path(two) / "tiny" / "sft" / "checkpoints" / "checkpoint-2"
+    # rank 1 ran on the other node: its RNG state reached the store from there, not through rank 0's disk
+    assert (ckpt / "rng_state_0.pth").is_file() and (ckpt / "rng_state_1.pth").is_file() and (ckpt / ".complete").is_file()
+    before = write_log()
+    manifest = execute_stage(cfg, "sft")
+    assert manifest["resumed_from_step"] == 2 and manifest["status"] == "resumed"
+    assert manifest["key"] == content_key(sft_cfg(two, "sft.launch.processes=2"), "sft", {})  # placement is not content
+
+    a, b = weights(one), weights(two)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=k)
+    rerun = write_log()[len(before):]
+    models = [w for w in rerun if w["op"] == "put_dir" and w["path"].endswith("two/tiny/sft/model")]
+    assert len(models) == 1  # rank 0 alone publishes
+    assert live_placement_groups(ray_cluster) == []
+
+
+def test_a_killed_rank_fails_the_stage_naming_it_and_a_rerun_resumes(ray_cluster, tmp_path):
+    cfg = sft_cfg(str(tmp_path), *RAY, "sft.max_steps=12", "sft.save_steps=2")
+    ckpt = Path(tmp_path) / "tiny" / "sft" / "checkpoints"
+    killed = []
+
+    def kill_a_rank():  # SIGKILL rank 1's process once a checkpoint is complete, as a lost node would
+        deadline = time.time() + 300
+        while time.time() < deadline and not list(ckpt.glob("*/.complete")):
+            time.sleep(0.2)
+        ps = subprocess.run(["pgrep", "-f", "ray::Rank.run"], capture_output=True, text=True).stdout.split()
+        if ps:
+            os.kill(int(ps[-1]), signal.SIGKILL)
+            killed.append(int(ps[-1]))
+
+    t = threading.Thread(target=kill_a_rank)
+    t.start()
+    with pytest.raises(LaunchError, match=r"stage 'sft': rank [01] on node \w+ .* died"):
+        execute_stage(cfg, "sft")
+    t.join()
+    assert killed and live_placement_groups(ray_cluster) == []
+    assert list(ckpt.glob("*/.complete"))  # what the rerun resumes from
+    manifest = execute_stage(cfg, "sft")
+    assert manifest["status"] == "resumed" and manifest["resumed_from_step"] >= 2
+    assert manifest["metrics"]["sft/steps"] == 12
+
+
+def test_validate_prints_the_bundles_and_refuses_what_the_cluster_cannot_place(ray_cluster, tmp_path):
+    result = CliRunner().invoke(app, ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", s] for s in RAY), [])])
+    assert result.exit_code == 0, result.output
+    assert "ray_bundles" in result.output and "2 x {CPU: 1.0} (STRICT_SPREAD)" in result.output
+    for bad, why in ((["sft.launch.ray.gpus_per_rank=1"], "needs 2 GPU in all, the cluster has 0"),
+                     (["sft.launch.processes=3"], "needs 3 CPU in all, the cluster has 2"),
+                     (["sft.launch.processes=1", "sft.launch.ray.cpus_per_rank=2", "sft.launch.ray.strategy=PACK"], "bundle 0 ({'CPU': 2.0}) fits on no node")):
+        with pytest.raises(ConfigError, match=r"sft\.launch\.ray: the cluster at .* cannot place .*" + re.escape(why)):
+            load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, *bad])
+    assert not any(Path(tmp_path).iterdir())
+
+
+def test_an_unreachable_or_missing_address_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: not set: set it or RAY_ADDRESS"):
+        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY])
+    with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: no Ray cluster answers at 127\.0\.0\.1:9 \("):
+        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, "sft.launch.ray.address=127.0.0.1:9"])
+    with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: string should match pattern"):
+        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, "sft.launch.ray.address=ray://x"])
+    assert not any(Path(tmp_path).iterdir())
+
+
+@pytest.mark.parametrize("want,nodes,strategy,why", [
+    ([{"CPU": 1.0}] * 2, [{"CPU": 2.0}], "PACK", None),
+    ([{"CPU": 1.0}] * 2, [{"CPU": 2.0}], "STRICT_SPREAD", "STRICT_SPREAD needs 2 nodes that each fit {'CPU': 1.0}, the cluster has 1"),
+    ([{"CPU": 1.0, "GPU": 1.0}] * 2, [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0}], "SPREAD", "needs 2 GPU in all, the cluster has 1"),
+    ([{"CPU": 3.0}] * 2, [{"CPU": 4.0}, {"CPU": 2.0}], "PACK", "bundle 1 ({'CPU': 3.0}) fits on no node with what the other bundles leave"),
+    ([{"CPU": 2.0}] * 3, [{"CPU": 4.0}, {"CPU": 2.0}], "PACK", None),
+])
+def test_placement_by_hand(want, nodes, strategy, why):
+    assert cluster.unplaceable(want, nodes, strategy) == why
+
+
+def test_rank_environment_by_hand():
+    from rlhf.pipeline.ray_launch import rank_envs
+
+    where = [{"node": "a", "ip": "10.0.0.1", "gpus": ["3"]}, {"node": "b", "ip": "10.0.0.2", "gpus": ["0"]},
+             {"node": "a", "ip": "10.0.0.1", "gpus": ["1"]}]
+    launch = LaunchConfig(processes=3, backend="ray", ray={"gpus_per_rank": 1, "cpus_per_rank": 4})
+    envs = rank_envs(where, 29500, launch, {"AWS_REGION": "x"})
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and {e["MASTER_PORT"] for e in envs} == {"29500"}
+    # node a holds GPUs 1 and 3: rank 0 has GPU 3 (index 1 of "1,3"), rank 2 GPU 1 (index 0)
+    assert envs[0]["CUDA_VISIBLE_DEVICES"] == envs[2]["CUDA_VISIBLE_DEVICES"] == "1,3"
+    assert (envs[0]["LOCAL_RANK"], envs[2]["LOCAL_RANK"], envs[1]["LOCAL_RANK"]) == ("1", "0", "0")
+    assert (envs[0]["LOCAL_WORLD_SIZE"], envs[1]["LOCAL_WORLD_SIZE"]) == ("2", "1")
+    assert envs[1]["RLHF_NODE"] == "b" and envs[0]["OMP_NUM_THREADS"] == "4" and envs[1]["AWS_REGION"] == "x"
