@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CONFIG
-from test_distributed import sft_cfg, weights
+from test_distributed import assert_rl_equal, sft_cfg, weights
 from typer.testing import CliRunner
 
 from rlhf.core import cluster
@@ -86,6 +86,12 @@ def test_sft_on_two_ray_nodes_equals_one_process_and_a_crash_resumes_from_the_st
     models = [w for w in rerun if w["op"] == "put_dir" and w["path"].endswith("two/tiny/sft/model")]
     assert len(models) == 1  # rank 0 alone publishes
     assert live_placement_groups(ray_cluster) == []
+
+
+def test_grpo_on_two_ray_nodes_equals_one_process(ray_cluster, tmp_path):
+    # rollouts sharded by engine batch and gathered, gradients summed across nodes: the same numbers
+    assert_rl_equal(tmp_path, "grpo", "grpo.launch.processes=2", "grpo.launch.backend=ray",
+                    "grpo.launch.ray.strategy=STRICT_SPREAD")
 
 
 def test_a_killed_rank_fails_the_stage_naming_it_and_a_rerun_resumes(ray_cluster, tmp_path):

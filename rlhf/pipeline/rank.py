@@ -37,7 +37,7 @@ def rank_main(spec: dict) -> dict | None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
     cfg = PipelineConfig.model_validate(spec["config"])
     stage = spec["stage"]
     ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
