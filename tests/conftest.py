@@ -44,7 +44,7 @@ os.environ["TRACKIO_DIR"] = str(home() / "trackio")
 
 # Files with the longest waits first (Prefect heartbeat windows, the vLLM and MLflow environments' builds, RL runs):
 # with workers, their idle time then overlaps the rest of the suite instead of trailing it.
-LONGEST_FIRST = ("test_orchestration.py", "test_vllm.py", "test_tracking.py", "test_rl.py", "test_flow.py", "test_store.py")
+LONGEST_FIRST = ("test_orchestration.py", "test_vllm.py", "test_ray.py", "test_tracking.py", "test_rl.py", "test_flow.py", "test_store.py")
 
 
 def pytest_configure(config):
