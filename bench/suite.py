@@ -8,6 +8,7 @@ figure is a ratio from that one run (ours / peer, side by side on the same machi
   ref_throughput  the reference pass (log-prob bookkeeping included) vs a plain forward of the same batches
   elo             Bradley-Terry fit + 1000 bootstrap rounds on 100k battles; DuckDB over 1M battle rows
   vllm_vs_hf      rollout tokens/s of the vLLM engine (own environment) vs transformers generate
+  ray_launch      a 2-rank tiny SFT launched on a two-node local Ray cluster vs torchrun on this node
   orchestration   the tiny profile through `rlhf run` (Prefect flow, temporary API): wall time minus the
                   sum of the stages' own seconds (manifests), and that share of the wall time
   default_run     (--full, about 15 min) the default profile end to end: wall time, per-stage seconds
@@ -35,6 +36,7 @@ SCRIPTS = {
     "ref_throughput": ["bench/ref_throughput.py"],
     "elo": ["bench/elo.py"],
     "vllm_vs_hf": ["bench/vllm_vs_hf.py"],
+    "ray_launch": ["bench/ray_launch.py"],
 }
 
 
