@@ -10,6 +10,7 @@ the manifest, each checkpoint and each published model are written once, by one 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from safetensors.torch import load_file
 
 from rlhf.pipeline.launch import LaunchError
 from rlhf.core.loader import ConfigError, load_config
-from rlhf.pipeline.runner import execute_stage
+from rlhf.pipeline.runner import content_key, execute_stage
 from rlhf.train.training import CRASH_ENV
 
 def sft_cfg(url: str, *extra: str):
@@ -119,3 +120,38 @@ def assert_rl_equal(tmp_path, algo: str, *two: str) -> None:
     assert one.keys() == two.keys() and (3, "reward_mean") in one
     for key in one:  # rewards, KL, losses (value loss too for PPO): the same numbers
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_sft_on_two_torchrun_nodes_equals_one_process(tmp_path):
+    """Two torchrun agents on this machine as two nodes (`launch.nnodes: 2`, a static rendezvous): node 0
+    is the stage's worker, node 1 joins with `rlhf join`; each node has its own scratch folder."""
+    import socket
+    import subprocess
+
+    from conftest import run_cli
+
+    one = str(tmp_path / "one")
+    execute_stage(sft_cfg(one, "sft.gradient_accumulation_steps=2"), "sft")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    two = str(tmp_path / "two")
+    nodes = ["sft.launch.processes=2", "sft.launch.nnodes=2", f"sft.launch.rendezvous=127.0.0.1:{port}"]
+    sets = [f"storage.url={two}", *only("sft"), "sft.per_device_batch_size=4", "sft.max_steps=4", "sft.save_steps=2",
+            "sft.eval_prompts=2", *nodes]
+    exe = str(Path(sys.executable).parent / "rlhf")
+    joined = subprocess.Popen([exe, "join", "--stage", "sft", "--node-rank", "1", "--profile", "tiny",
+                               *sum((["--set", x] for x in sets), [])], cwd=CONFIG.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        manifest = execute_stage(sft_cfg(two, *nodes), "sft")
+    finally:
+        out, _ = joined.communicate(timeout=300)
+    assert joined.returncode == 0, out[-3000:]
+    assert manifest["key"] == content_key(sft_cfg(two, "sft.launch.processes=2"), "sft", {})  # placement is not content
+    a, b = weights(one), weights(two)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=k)
+    bad = run_cli("join", "--stage", "sft", "--node-rank", "1", "--profile", "tiny", "--set", f"storage.url={two}")
+    assert bad.returncode == 2 and "sft.launch.nnodes: `rlhf join` is for a stage launched on several nodes" in bad.stderr

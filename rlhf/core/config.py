@@ -296,6 +296,22 @@ class LaunchConfig(Strict):
     # torchrun: processes on the worker that runs the stage; ray: ranks in a placement group of a Ray cluster
     backend: Literal["torchrun", "ray"] = "torchrun"
     ray: RayLaunch = RayLaunch()
+    # torchrun across machines: the `processes` ranks split evenly over nnodes nodes; the stage's worker is
+    # node 0, each other node joins with `rlhf join --stage <stage> --node-rank K` (same config)
+    nnodes: int = Field(1, ge=1, le=1024)
+    # host:port where node 0 takes the ranks' rendezvous (torchrun's master address and port); nnodes > 1
+    rendezvous: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}$", max_length=255)
+
+    @model_validator(mode="after")
+    def _nodes(self) -> LaunchConfig:
+        if self.nnodes > 1:
+            if self.backend != "torchrun":
+                raise ValueError(f"nnodes: {self.nnodes} nodes is a torchrun setting; Ray places ranks itself (backend ray)")
+            if self.processes % self.nnodes:
+                raise ValueError(f"nnodes: processes ({self.processes}) must split evenly over {self.nnodes} nodes")
+            if self.rendezvous is None:
+                raise ValueError(f"rendezvous: {self.nnodes} nodes need node 0's host:port")
+        return self
 
 
 class TrainerOptions(Placement):

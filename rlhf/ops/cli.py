@@ -124,6 +124,40 @@ def run(
         typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
 
 
+@app.command()
+def join(
+    stage: Annotated[str, typer.Option("--stage", help="the stage whose ranks this node runs")],
+    node_rank: Annotated[int, typer.Option("--node-rank", help="this node's index, 1 .. launch.nnodes - 1")],
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+) -> None:
+    """Run this machine's share of a multi-node torchrun stage (`<stage>.launch.nnodes` > 1): the stage's
+    worker is node 0 and waits at `launch.rendezvous` for the others. Same config as the run; its inputs
+    must be complete in the store. Exits with the ranks' exit code."""
+    cfg, _, _ = _load_or_exit(config, profile, list(set_ or []))
+    from rlhf.core.registry import NAMES
+
+    launch = getattr(cfg.stage(stage), "launch", None) if stage in NAMES else None
+    if launch is None or launch.nnodes < 2:
+        typer.echo(f"{stage}.launch.nnodes: `rlhf join` is for a stage launched on several nodes (nnodes > 1)", err=True)
+        raise typer.Exit(2)
+    if not 1 <= node_rank < launch.nnodes:
+        typer.echo(f"--node-rank: must be 1 .. {launch.nnodes - 1} (node 0 is the stage's worker), got {node_rank}", err=True)
+        raise typer.Exit(2)
+    import logging
+
+    from rlhf.core.store import ArtifactStore
+    from rlhf.pipeline.launch import torchrun
+    from rlhf.pipeline.runner import stage_identity, stage_workdir
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    inputs, key = stage_identity(cfg, stage, ArtifactStore(cfg.storage))
+    spec = {"config": cfg.model_dump(mode="json"), "stage": stage, "key": key, "inputs": inputs}
+    rc, _, _ = torchrun(spec, launch, stage_workdir(cfg, stage, key), node_rank, logging.getLogger(f"rlhf.{stage}"))
+    raise typer.Exit(rc)
+
+
 StateOpt = Annotated[Optional[Path], typer.Option("--state-dir", help="where up/down/status keep PIDs and logs")]
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from rlhf.core.config import LaunchConfig
 from rlhf.core.models import resolve_model
 from rlhf.core import tracking
+from rlhf.core.dist import NODE_ENV
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.pipeline.rank import LaunchError, rank_main
 
@@ -37,8 +38,9 @@ def check_launch(stage: str, launch: LaunchConfig) -> None:
         raise LaunchError(f"{stage}.launch.strategy: {launch.strategy!r} needs CUDA GPUs; this worker has none (use 'ddp')")
     if launch.strategy == "deepspeed_zero3" and importlib.util.find_spec("deepspeed") is None:
         raise LaunchError(f"{stage}.launch.strategy: 'deepspeed_zero3' needs the deepspeed package on the worker")
-    if torch.cuda.is_available() and torch.cuda.device_count() < launch.processes:
-        raise LaunchError(f"{stage}.launch.processes: {launch.processes} processes but {torch.cuda.device_count()} GPUs here")
+    per_node = launch.processes // launch.nnodes
+    if torch.cuda.is_available() and torch.cuda.device_count() < per_node:
+        raise LaunchError(f"{stage}.launch.processes: {per_node} processes on this node but {torch.cuda.device_count()} GPUs here")
 
 
 def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
@@ -53,35 +55,53 @@ def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
             return StageResult(**run_on_ray(ctx, launch, spec))
     check_launch(ctx.stage, launch)
     resolve_model(ctx.cfg.model)  # builds the local copy of the base model once, not once per rank
-    folder = ctx.workdir / "launch"
-    folder.mkdir(parents=True, exist_ok=True)
-    spec, result_path = folder / "spec.json", folder / "result.json"
-    for stale in (result_path, *folder.glob("error-rank*.txt")):
-        stale.unlink(missing_ok=True)
-    spec.write_text(json.dumps({
-        "config": ctx.cfg.model_dump(mode="json"), "stage": ctx.stage, "key": ctx.key, "inputs": ctx.inputs,
-        "workdir": str(ctx.workdir), "result": str(result_path),
-    }))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={launch.processes}",
-           "-m", "rlhf.pipeline.launch", str(spec)]
-    ctx.log.info("%s: launching %d processes (%s)", ctx.stage, launch.processes, launch.strategy)
-    # One thread per rank on CPU: N ranks each using every core would oversubscribe the machine.
-    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launch.processes)))
-    # The workers import what this process can (a reward function module found through its sys.path).
-    path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": path}
-    tail: deque[str] = deque(maxlen=30)
-    with tracking.current().handoff(), \
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            ctx.log.info("%s", line.rstrip())
-        rc = proc.wait()
+    spec = {"config": ctx.cfg.model_dump(mode="json"), "stage": ctx.stage, "key": ctx.key, "inputs": ctx.inputs}
+    with tracking.current().handoff():
+        rc, folder, tail = torchrun(spec, launch, ctx.workdir, 0, ctx.log)
+    result_path = folder / "result.json"
     if rc != 0 or not result_path.exists():
         errors = [f"{p.stem.removeprefix('error-')}: {p.read_text()}" for p in sorted(folder.glob("error-rank*.txt"))]
         cause = "; ".join(errors) if errors else "last lines:\n" + "\n".join(tail)
         raise LaunchError(f"stage {ctx.stage!r}: {launch.processes} {launch.strategy} processes exited with code {rc}: {cause}")
     return StageResult(**json.loads(result_path.read_text()))
+
+
+def torchrun(spec: dict, launch: LaunchConfig, workdir: Path, node_rank: int, log) -> tuple[int, Path, deque]:
+    """Starts this node's share of the ranks under torchrun and relays their output to `log`; returns the
+    exit code, the launch folder (spec, result, error files) and the last lines. One node: `--standalone`.
+    Several: node `node_rank` of `launch.nnodes`, static rendezvous at `launch.rendezvous`, ranks
+    node_rank x per_node ... in order (so global rank 0, which writes the result, is on node 0), and a
+    scratch folder per node (`nodes/<node_rank>`), as on separate machines."""
+    per_node = launch.processes // launch.nnodes
+    if launch.nnodes > 1:
+        workdir = workdir / "nodes" / str(node_rank)
+        host, port = launch.rendezvous.rsplit(":", 1)
+        where = [f"--nnodes={launch.nnodes}", f"--node_rank={node_rank}", f"--master_addr={host}", f"--master_port={port}"]
+    else:
+        where = ["--standalone"]
+    folder = workdir / "launch"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in (folder / "result.json", *folder.glob("error-rank*.txt")):
+        stale.unlink(missing_ok=True)
+    (folder / "spec.json").write_text(json.dumps({**spec, "workdir": str(workdir), "result": str(folder / "result.json")}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={per_node}",
+           "-m", "rlhf.pipeline.launch", str(folder / "spec.json")]
+    log.info("%s: launching %d of %d processes (%s) on node %d of %d", spec["stage"], per_node, launch.processes,
+             launch.strategy, node_rank, launch.nnodes)
+    # One thread per rank on CPU: N ranks each using every core would oversubscribe the machine.
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+    # The workers import what this process can (a reward function module found through its sys.path).
+    path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": path}
+    if launch.nnodes > 1:
+        env[NODE_ENV] = str(node_rank)
+    tail: deque[str] = deque(maxlen=30)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            log.info("%s", line.rstrip())
+        rc = proc.wait()
+    return rc, folder, tail
 
 
 def _worker(spec_path: str) -> None:

@@ -13,6 +13,7 @@ import logging
 import platform
 import shutil
 import time
+from pathlib import Path
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 
@@ -30,7 +31,8 @@ from rlhf.pipeline.launch import run_stage
 log = logging.getLogger("rlhf.pipeline.runner")
 
 # where a stage runs: not part of its key
-PLACEMENT = {"work_pool": True, "job_variables": True, "enabled": True, "launch": {"backend": True, "ray": True}}
+PLACEMENT = {"work_pool": True, "job_variables": True, "enabled": True,
+             "launch": {"backend": True, "ray": True, "nnodes": True, "rendezvous": True}}
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
 
@@ -74,6 +76,17 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def stage_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[dict[str, Manifest], str]:
+    """The stage's input manifests (each must be complete) and its content key."""
+    inputs = {s: store.require_manifest(cfg.run.name, s) for s in stage_inputs(cfg, stage)}
+    return inputs, content_key(cfg, stage, {s: m["key"] for s, m in inputs.items()})
+
+
+def stage_workdir(cfg: PipelineConfig, stage: str, key: str) -> Path:
+    """The stage attempt's local scratch, keyed by the content key (a resumed attempt finds its files)."""
+    return home() / "work" / cfg.run.name / f"{stage}-{key[:16]}"
+
+
 def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None = None) -> Manifest:
     """Run one stage unless a complete manifest with the same content key exists.
 
@@ -83,8 +96,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     """
     store = store or ArtifactStore(cfg.storage)
     run = cfg.run.name
-    inputs = {s: store.require_manifest(run, s) for s in stage_inputs(cfg, stage)}
-    key = content_key(cfg, stage, {s: m["key"] for s, m in inputs.items()})
+    inputs, key = stage_identity(cfg, stage, store)
     try:
         existing, invalid = store.read_manifest(run, stage), False
     except ManifestError as e:  # not a completion this code can trust: the stage runs again
@@ -101,7 +113,7 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
 
     module = importlib.import_module(SPECS[stage].module)
     stage_log = logging.getLogger(f"rlhf.{stage}")
-    workdir = home() / "work" / run / f"{stage}-{key[:16]}"
+    workdir = stage_workdir(cfg, stage, key)
     ctx = StageContext(cfg, store, stage, key, inputs, workdir, stage_log)
     started, t0 = _now(), time.perf_counter()
 
