@@ -144,6 +144,10 @@ def test_an_unreachable_or_missing_address_is_refused_before_anything_is_written
         load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY])
     with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: no Ray cluster answers at 127\.0\.0\.1:9 \("):
         load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, "sft.launch.ray.address=127.0.0.1:9"])
+    monkeypatch.setenv("RAY_ADDRESS", "ray://me:s3cr3t@head:10001")
+    with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: the Ray address \(RAY_ADDRESS\) is not host:port") as e:
+        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY])
+    assert "s3cr3t" not in str(e.value)
     with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: string should match pattern"):
         load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, "sft.launch.ray.address=ray://x"])
     assert not any(Path(tmp_path).iterdir())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 
 from rlhf.core.config import LaunchConfig, PipelineConfig, RayLaunch
@@ -23,8 +24,8 @@ def address_problem(addr: str | None, timeout: float = 3.0) -> str | None:
     if not addr:
         return "no Ray address: set launch.ray.address or RAY_ADDRESS (host:port of the head)"
     host, _, port = addr.rpartition(":")
-    if not host or not port.isdigit():
-        return f"Ray address {addr!r} is not host:port"
+    if not re.fullmatch(r"[A-Za-z0-9.-]+", host) or not port.isdigit():  # from RAY_ADDRESS: not echoed
+        return "the Ray address (RAY_ADDRESS) is not host:port of the cluster's head (ray:// client URLs and 'auto' are not supported)"
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
             return None
