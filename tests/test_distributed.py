@@ -155,3 +155,6 @@ def test_sft_on_two_torchrun_nodes_equals_one_process(tmp_path):
         torch.testing.assert_close(b[k], a[k], atol=1e-6, rtol=1e-5, msg=k)
     bad = run_cli("join", "--stage", "sft", "--node-rank", "1", "--profile", "tiny", "--set", f"storage.url={two}")
     assert bad.returncode == 2 and "sft.launch.nnodes: `rlhf join` is for a stage launched on several nodes" in bad.stderr
+    early = run_cli("join", "--stage", "grpo", "--node-rank", "1", "--profile", "tiny", "--set", f"storage.url={tmp_path / 'empty'}",
+                    "--set", "grpo.launch.processes=2", "--set", "grpo.launch.nnodes=2", "--set", f"grpo.launch.rendezvous=127.0.0.1:{port}")
+    assert early.returncode == 2 and "grpo: its inputs are not complete in the store" in early.stderr  # no traceback
