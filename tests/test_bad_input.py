@@ -85,6 +85,8 @@ CASES = [
     ("nodes-rendezvous", ["sft.launch.nnodes=2", "sft.launch.processes=2"], [], None, {}, "sft.launch.rendezvous: 2 nodes need node 0's host:port"),
     ("nodes-ray", ["sft.launch.nnodes=2", "sft.launch.processes=2", "sft.launch.backend=ray", "sft.launch.rendezvous=h:1"], [], None, {},
      "sft.launch.nnodes: 2 nodes is a torchrun setting"),
+    ("rendezvous-port", ["sft.launch.nnodes=2", "sft.launch.processes=2", "sft.launch.rendezvous=h:70000"], [], None, {},
+     "sft.launch.rendezvous: port must be 1-65535, got 70000"),
     ("ray-address", ["sft.launch.backend=ray", "sft.launch.ray.address=ray://head:10001"], [], None, {},
      "sft.launch.ray.address: string should match pattern"),
     ("ppo-minibatch", ["ppo.enabled=true", "ppo.prompts_per_iteration=3"], [], None, {}, "ppo.minibatch_size: must divide the rollouts per iteration (3"),

@@ -272,6 +272,13 @@ class LoraConfig(Strict):
     target_modules: str | list[str] = "all-linear"  # 'all-linear' or module names
 
 
+def host_port(v: str | None) -> str | None:
+    """A host:port whose port is a TCP port (the pattern has checked the shape)."""
+    if v is not None and not 0 < int(v.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"port must be 1-65535, got {v.rsplit(':', 1)[1]}")
+    return v
+
+
 class RayLaunch(Strict):
     """Where a stage's ranks go on a Ray cluster (launch.backend: ray): one placement group of
     `processes` bundles. Not part of the content key: where ranks run does not change what they compute."""
@@ -283,6 +290,11 @@ class RayLaunch(Strict):
     cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs reserved in each bundle (and torch threads per rank)
     gpus_per_rank: int = Field(0, ge=0, le=1)  # GPUs reserved in each bundle: 0 (CPU ranks) or 1 (a rank drives one GPU)
     ready_seconds: float = Field(60.0, gt=0.0, le=86_400.0)  # how long to wait for the cluster to place the bundles
+
+    @field_validator("address")
+    @classmethod
+    def _port(cls, v: str | None) -> str | None:
+        return host_port(v)
 
 
 class LaunchConfig(Strict):
@@ -301,6 +313,11 @@ class LaunchConfig(Strict):
     nnodes: int = Field(1, ge=1, le=1024)
     # host:port where node 0 takes the ranks' rendezvous (torchrun's master address and port); nnodes > 1
     rendezvous: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}$", max_length=255)
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _port(cls, v: str | None) -> str | None:
+        return host_port(v)
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchConfig:
