@@ -174,6 +174,28 @@ def test_bad_input_exits_2_naming_what_is_wrong(tmp_path, monkeypatch, case, com
     assert not store.exists()  # nothing written, not even a lock or an attempt record
 
 
+NODES = ["--set", "sft.launch.processes=2", "--set", "sft.launch.nnodes=2", "--set", "sft.launch.rendezvous=127.0.0.1:29500"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--stage", "sft\x1b[2J\n", "--node-rank", "1"], "--stage: 'sft\\x1b[2J\\n' is not a stage; one of sft, preferences"),
+    (["--stage", "../sft", "--node-rank", "1"], "--stage: '../sft' is not a stage"),
+    (["--stage", "sft", "--node-rank", "1"], "sft.launch.nnodes: `rlhf join` is for a stage launched on several nodes"),
+    (["--stage", "eval", "--node-rank", "1"], "eval.launch.nnodes: `rlhf join` is for a stage launched on several nodes"),
+    (["--stage", "sft", "--node-rank", "0", *NODES], "--node-rank: must be 1 .. 1 (node 0 is the stage's worker), got 0"),
+    (["--stage", "sft", "--node-rank", "-5", *NODES], "--node-rank: must be 1 .. 1"),
+    (["--stage", "sft", "--node-rank", "99999999999999999999", *NODES], "--node-rank: must be 1 .. 1"),
+    (["--stage", "sft", "--node-rank", "one", *NODES], "Invalid value for '--node-rank': Input should be a valid integer"),
+])
+def test_join_refuses_bad_arguments_before_anything_runs(tmp_path, args, expected):
+    store = tmp_path / "store"
+    result = CliRunner().invoke(app, ["join", "--profile", "tiny", "--set", f"storage.url={store}", *args])
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.output and "\x1b" not in result.output
+    assert not store.exists()
+
+
 def test_the_installed_command_exits_2_on_a_bad_value():
     """The same path through the console script a user runs (the table runs in-process)."""
     proc = run_cli("validate", "--set", "grpo.max_kl=.inf")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG
+from conftest import CONFIG, run_cli
 from test_distributed import assert_rl_equal, sft_cfg, weights
 from typer.testing import CliRunner
 
@@ -178,3 +178,57 @@ def test_rank_environment_by_hand():
     assert (envs[0]["LOCAL_RANK"], envs[2]["LOCAL_RANK"], envs[1]["LOCAL_RANK"]) == ("1", "0", "0")
     assert (envs[0]["LOCAL_WORLD_SIZE"], envs[1]["LOCAL_WORLD_SIZE"]) == ("2", "1")
     assert envs[1]["RLHF_NODE"] == "b" and envs[0]["OMP_NUM_THREADS"] == "4" and envs[1]["AWS_REGION"] == "x"
+
+
+
+def _head_processes(addr: str) -> list:
+    """The processes of the Ray head at `addr`: each names the GCS address or port on its command line."""
+    import psutil
+
+    port = addr.rpartition(":")[2]
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if addr in line or f"--gcs_server_port={port}" in line or f"--port {port}" in line:
+            found.append(p)
+    return found
+
+
+@pytest.mark.slow  # starts and stops a real Ray head (~10 s) and three CLI processes
+def test_rlhf_up_ray_head_is_local_token_guarded_and_stopped_by_down(tmp_path):
+    from rlhf.ops import services
+
+    state = tmp_path / "state"
+    state.mkdir()
+    said = []
+    addr = services.start_ray(state, cpus=1, log=said.append)
+    try:
+        assert addr.startswith("127.0.0.1:") and (state / "ray_address").read_text() == addr
+        assert len(said) == 1 and addr in said[0] and "RAY_AUTH_MODE=token" in said[0]
+        assert services.start_ray(state, cpus=1, log=said.append) == addr and len(said) == 1  # reused, not restarted
+        assert services.status(state)["ray_address"] == addr and services.status(state)["ray"]["alive"]
+        token = state / "ray_auth_token"
+        assert token.stat().st_mode & 0o777 == 0o600 and token.read_text() not in said[0]
+        assert any("gcs_server" in " ".join(p.cmdline()) for p in _head_processes(addr))
+        # a stage with backend ray and no address finds the head as `up --ray`'s workers do (address + token) ...
+        args = ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path / 'a'}", "--set", "sft.launch.backend=ray"]
+        client = {"RAY_ADDRESS": addr, **services.ray_client_env(state)}
+        ok = run_cli(*args, "--set", "sft.launch.processes=1", env=client)
+        assert ok.returncode == 0 and "1 x {CPU: 1.0} (PACK)" in ok.stdout, ok.stdout + ok.stderr
+        too_big = run_cli(*args, "--set", "sft.launch.processes=2", env=client)
+        assert too_big.returncode == 2 and "needs 2 CPU in all, the cluster has 1" in too_big.stderr, too_big.stderr
+        # ... and a client without the token is refused: the head listens beyond loopback (Ray 2.60 has no bind option)
+        stranger = run_cli(*args, "--set", "sft.launch.processes=1", env={"RAY_ADDRESS": addr, "RAY_AUTH_MODE": "",
+                                                                            "RAY_AUTH_TOKEN_PATH": str(tmp_path / "none")})
+        assert stranger.returncode == 2, stranger.stdout + stranger.stderr
+        assert f"sft.launch.ray: could not join the cluster at {addr} as a Ray client" in stranger.stderr, stranger.stderr
+        assert "RAY_AUTH_MODE=token" in stranger.stderr and "Traceback" not in stranger.stderr
+        assert token.read_text() not in ok.stdout + ok.stderr + stranger.stdout + stranger.stderr
+    finally:
+        services.down(state, log=said.append)
+    assert not (state / "ray_address").exists() and not (state / "ray_auth_token").exists()
+    assert "ray" not in services.status(state) and cluster.address_problem(addr, timeout=1) is not None
+    deadline = time.time() + 30  # the head's children exit after it
+    while _head_processes(addr) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _head_processes(addr), [p.cmdline() for p in _head_processes(addr)]

@@ -75,18 +75,26 @@ def unplaceable(want: list[dict[str, float]], nodes: list[dict[str, float]], str
 
 
 def cluster_problem(launch: LaunchConfig) -> str | None:
-    """Connects to the cluster and says why it cannot place this stage's bundles (None: it can)."""
+    """Connects to the cluster and says why it cannot place this stage's bundles, or why it could not connect
+    (None: it can place them)."""
     import ray
 
     connected_here = not ray.is_initialized()
     if connected_here:
-        ray.init(address=address(launch.ray), logging_level=logging.WARNING, log_to_driver=False)
+        try:
+            ray.init(address=address(launch.ray), logging_level=logging.WARNING, log_to_driver=False)
+        except Exception as e:  # Ray raises ConnectionError, RuntimeError, AuthenticationError...
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return (f"could not join the cluster at {address(launch.ray)} as a Ray client ({type(e).__name__}: {first}); "
+                    "a head with token authentication (as `rlhf up --ray` starts) also needs RAY_AUTH_MODE=token "
+                    "and RAY_AUTH_TOKEN_PATH (or RAY_AUTH_TOKEN)")
     try:
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     finally:
         if connected_here:
             ray.shutdown()
-    return unplaceable(bundles(launch), nodes, launch.ray.strategy)
+    why = unplaceable(bundles(launch), nodes, launch.ray.strategy)
+    return why and f"the cluster at {address(launch.ray)} cannot place {describe(launch)}: {why}"
 
 
 def ray_stages(cfg: PipelineConfig) -> dict[str, LaunchConfig]:
@@ -119,5 +127,5 @@ def launch_problems(cfg: PipelineConfig, reachability: bool = True) -> list[str]
         elif why := address_problem(address(launch.ray)):
             out.append(f"{name}.launch.ray.address: {why}")
         elif why := cluster_problem(launch):
-            out.append(f"{name}.launch.ray: the cluster at {address(launch.ray)} cannot place {describe(launch)}: {why}")
+            out.append(f"{name}.launch.ray: {why}")
     return out

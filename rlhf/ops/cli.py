@@ -138,7 +138,10 @@ def join(
     cfg, _, _ = _load_or_exit(config, profile, list(set_ or []))
     from rlhf.core.registry import NAMES
 
-    launch = getattr(cfg.stage(stage), "launch", None) if stage in NAMES else None
+    if stage not in NAMES:
+        typer.echo(f"--stage: {stage!r} is not a stage; one of {', '.join(NAMES)}", err=True)
+        raise typer.Exit(2)
+    launch = getattr(cfg.stage(stage), "launch", None)
     if launch is None or launch.nnodes < 2:
         typer.echo(f"{stage}.launch.nnodes: `rlhf join` is for a stage launched on several nodes (nnodes > 1)", err=True)
         raise typer.Exit(2)
@@ -170,15 +173,21 @@ StateOpt = Annotated[Optional[Path], typer.Option("--state-dir", help="where up/
 def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default", set_: SetOpt = None,
        state_dir: StateOpt = None, poll_seconds: int = 5,
        heartbeat_seconds: Annotated[int, typer.Option(min=30, help="flow-run heartbeat; a run silent for "
-                                                      "2x this + 15 s is marked Crashed")] = 30) -> None:
+                                                      "2x this + 15 s is marked Crashed")] = 30,
+       ray: Annotated[bool, typer.Option("--ray", help="also start a one-node Ray head on 127.0.0.1 for stages "
+                                         "with launch.backend: ray (workers get its RAY_ADDRESS)")] = False) -> None:
     """Start a local Prefect server, a process worker per work pool, and register the deployments.
     Run again to restart workers that died; what is healthy is kept. With tracking.backends: [mlflow] and a
-    127.0.0.1/localhost tracking.mlflow.uri, an MLflow server there too."""
+    127.0.0.1/localhost tracking.mlflow.uri, an MLflow server there too; with --ray, a local Ray head."""
     cfg, _, _ = _load_or_exit(config, profile, set_ or [], reachability=False)  # up starts the tracking server
     from rlhf.ops import services
 
-    services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,
-                log=typer.echo)
+    try:
+        services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,
+                    log=typer.echo, ray=ray)
+    except RuntimeError as e:  # a service that would not start: its log is named in the message
+        typer.echo(f"rlhf up: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

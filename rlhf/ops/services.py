@@ -6,6 +6,12 @@ With tracking.backends: [mlflow] and a 127.0.0.1/localhost tracking.mlflow.uri, 
 tracking server there (from its own environment, ./setup-mlflow.sh: full mlflow pins pyarrow below ours),
 bound to 127.0.0.1, SQLite backend and artifacts under `<state>/mlflow/`.
 
+With `rlhf up --ray`, a one-node Ray head for development too (`ray start --head --block`, address
+127.0.0.1:PORT, no dashboard, Ray's token authentication on); its address is in `<state>/ray_address` and,
+with the token's file, in the workers' environment, so stages with `launch.backend: ray` and no
+`launch.ray.address` run there. `--block` keeps one process that
+owns the head: stopping it (SIGTERM) shuts down every Ray process the head started.
+
 State lives in a folder (default `<RLHF_HOME>/services`): the server's SQLite database (its own
 PREFECT_HOME), logs, PID files and `api_url`. `up` also sets PREFECT_API_URL in the caller's active
 Prefect profile so that a plain `prefect deployment run rlhf/full --watch` reaches this server; `down`
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -54,6 +61,14 @@ def _alive(pid: int) -> bool:
         return done == 0
     except ChildProcessError:
         return True
+
+
+def _environ(pid: int) -> list[str]:
+    """A process's environment as NAME=value entries (Linux /proc; empty where it cannot be read)."""
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def _healthy(api: str) -> bool:
@@ -110,8 +125,62 @@ def start_mlflow(cfg: PipelineConfig, state: Path, log=print) -> str | None:
     return uri
 
 
+def ray_address(state: Path) -> str | None:
+    """host:port of the Ray head `up --ray` started and is still running, or None."""
+    from rlhf.core.cluster import address_problem
+
+    addr_file, pid_file = state / "ray_address", state / "ray.pid"
+    if not (addr_file.exists() and pid_file.exists() and _alive(int(pid_file.read_text()))):
+        return None
+    addr = addr_file.read_text().strip()
+    return addr if address_problem(addr, timeout=2) is None else None
+
+
+def start_ray(state: Path, cpus: int | None = None, log=print) -> str:
+    """A local Ray head on 127.0.0.1 (reused when the one recorded in `state` still answers); returns its
+    address. Its temporary folder is Ray's default (/tmp/ray): its socket paths must stay short."""
+    from rlhf.core.cluster import address_problem
+
+    addr = ray_address(state)
+    if addr:
+        return addr
+    if not (BIN / "ray").exists():
+        raise RuntimeError(f"rlhf up --ray needs the ray package, which is not installed in {BIN.parent}: "
+                           "pip install ray==2.60.0 (or this package's [ray] extra)")
+    port = _free_port()
+    addr = f"127.0.0.1:{port}"
+    argv = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+            "--include-dashboard", "false", "--disable-usage-stats"]
+    if cpus:
+        argv += ["--num-cpus", str(cpus)]
+    # Ray 2.60's GCS and raylet listen on every interface whatever --node-ip-address says (measured; no bind
+    # option): a token is what keeps other machines from running code here. Ray's token authentication
+    # refuses a client without it; this head's token lives in the state folder, readable by its owner only.
+    token = state / "ray_auth_token"
+    token.unlink(missing_ok=True)
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    # nice 0: ranks started here are the work, not background tasks (Ray's default worker niceness is 15)
+    pid = _spawn(state, "ray", argv, {**os.environ, **ray_client_env(state), "RAY_worker_niceness": "0"})
+    deadline = time.time() + 120
+    while address_problem(addr, timeout=1) is not None:
+        if time.time() > deadline or not _alive(pid):
+            raise RuntimeError(f"Ray head did not start at {addr}; see {state / 'ray.log'}")
+        time.sleep(0.5)
+    (state / "ray_address").write_text(addr)
+    log(f"ray: {addr} (pid {pid}); the workers started here have its address and token; elsewhere: "
+        + " ".join(f"{k}={v}" for k, v in {"RAY_ADDRESS": addr, **ray_client_env(state)}.items()))
+    return addr
+
+
+def ray_client_env(state: Path) -> dict[str, str]:
+    """What a client of the head `up --ray` started needs besides its address: token mode and the token's file."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(state / "ray_auth_token")}
+
+
 def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 5, heartbeat_seconds: int = 30,
-       log=print) -> str:
+       log=print, ray: bool = False) -> str:
     """Idempotent: a healthy server recorded in `state` is reused, dead workers are restarted; pools,
     deployments and the crash-detection automation are upserted."""
     api_file = state / "api_url"
@@ -134,11 +203,17 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
     # (Prefect's minimum is 30), which the crash-detection automation watches.
     env = {**os.environ, "PREFECT_API_URL": api, "PREFECT_WORKER_QUERY_SECONDS": str(poll_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(heartbeat_seconds)}
+    ray_addr = start_ray(state, log=log) if ray else ray_address(state)  # a head from an earlier `up --ray` too
+    if ray_addr:
+        env.update({"RAY_ADDRESS": ray_addr, **ray_client_env(state)})
     for pool in pools(cfg):
         subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process", "--overwrite"],
                        env=env, check=True, capture_output=True)
         pid_file = state / f"worker-{pool}.pid"
         if pid_file.exists() and _alive(int(pid_file.read_text())):
+            if ray_addr and f"RAY_ADDRESS={ray_addr}" not in _environ(int(pid_file.read_text())):
+                log(f"worker: pool {pool!r} was started before the Ray head and does not see RAY_ADDRESS; set "
+                    f"launch.ray.address: {ray_addr}, or `rlhf down` and `rlhf up --ray` (it may be running a flow)")
             continue
         pid = _spawn(state, f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"], env)
         log(f"worker: pool {pool!r} (pid {pid})")
@@ -176,7 +251,8 @@ def _stop(pid: int, first: int, then: int, grace: float) -> None:
 
 
 def down(state: Path, log=print) -> None:
-    for pid_file in [*sorted(state.glob("worker-*.pid")), state / "mlflow.pid", state / "server.pid"]:  # servers last
+    for pid_file in [*sorted(state.glob("worker-*.pid")), state / "ray.pid", state / "mlflow.pid",
+                     state / "server.pid"]:  # servers last
         if not pid_file.exists():
             continue
         pid = int(pid_file.read_text())
@@ -184,11 +260,15 @@ def down(state: Path, log=print) -> None:
         pid_file.unlink()
         log(f"stopped {pid_file.stem} (pid {pid})")
     (state / "api_url").unlink(missing_ok=True)
+    (state / "ray_address").unlink(missing_ok=True)
+    (state / "ray_auth_token").unlink(missing_ok=True)
     subprocess.run([str(BIN / "prefect"), "config", "unset", "PREFECT_API_URL"], capture_output=True)
 
 
 def status(state: Path) -> dict:
     out = {"api_url": (state / "api_url").read_text().strip() if (state / "api_url").exists() else None}
+    if (state / "ray_address").exists():
+        out["ray_address"] = (state / "ray_address").read_text().strip()
     for pid_file in sorted(state.glob("*.pid")):
         pid = int(pid_file.read_text())
         out[pid_file.stem] = {"pid": pid, "alive": _alive(pid)}
