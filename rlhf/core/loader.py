@@ -156,7 +156,8 @@ def _describe(err: dict) -> str:
         if m:
             return f"{loc + '.' if loc else ''}{m.group(1)}: {m.group(2)}"
         return f"{loc}: {msg}"
-    return f"{loc}: {err['msg'].lower()}, got {got!r}"
+    msg = err["msg"]  # pydantic's sentence, lower-cased at its start only: a pattern in it keeps its case
+    return f"{loc}: {msg[:1].lower()}{msg[1:]}, got {got!r}"
 
 
 def _allowed_keys(model: type, loc: tuple) -> list[str]:
