@@ -223,7 +223,8 @@ def test_rlhf_up_ray_head_is_local_token_guarded_and_stopped_by_down(tmp_path):
         assert stranger.returncode == 2, stranger.stdout + stranger.stderr
         assert f"sft.launch.ray: could not join the cluster at {addr} as a Ray client" in stranger.stderr, stranger.stderr
         assert "RAY_AUTH_MODE=token" in stranger.stderr and "Traceback" not in stranger.stderr
-        assert token.read_text() not in ok.stdout + ok.stderr + stranger.stdout + stranger.stderr
+        shown = ok.stdout + ok.stderr + stranger.stdout + stranger.stderr + (state / "ray.log").read_text()
+        assert token.read_text() not in shown
     finally:
         services.down(state, log=said.append)
     assert not (state / "ray_address").exists() and not (state / "ray_auth_token").exists()
