@@ -272,6 +272,9 @@ class LoraConfig(Strict):
     target_modules: str | list[str] = "all-linear"  # 'all-linear' or module names
 
 
+HOST_PORT = r"^[A-Za-z0-9.-]+:[0-9]{1,5}$"  # host:port, no scheme, user or path
+
+
 def host_port(v: str | None) -> str | None:
     """A host:port whose port is a TCP port (the pattern has checked the shape)."""
     if v is not None and not 0 < int(v.rsplit(":", 1)[1]) < 65536:
@@ -284,7 +287,7 @@ class RayLaunch(Strict):
     `processes` bundles. Not part of the content key: where ranks run does not change what they compute."""
 
     # host:port of the cluster's head (GCS); null: RAY_ADDRESS from the environment
-    address: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}$", max_length=255)
+    address: str | None = Field(None, pattern=HOST_PORT, max_length=255)
     # PACK: few nodes; SPREAD: many; STRICT_SPREAD: one rank per node (Ray's placement strategies)
     strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs reserved in each bundle (and torch threads per rank)
@@ -312,7 +315,7 @@ class LaunchConfig(Strict):
     # node 0, each other node joins with `rlhf join --stage <stage> --node-rank K` (same config)
     nnodes: int = Field(1, ge=1, le=1024)
     # host:port where node 0 takes the ranks' rendezvous (torchrun's master address and port); nnodes > 1
-    rendezvous: str | None = Field(None, pattern=r"^[A-Za-z0-9.-]+:[0-9]{1,5}$", max_length=255)
+    rendezvous: str | None = Field(None, pattern=HOST_PORT, max_length=255)
 
     @field_validator("rendezvous")
     @classmethod

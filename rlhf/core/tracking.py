@@ -143,15 +143,19 @@ def record_text(value: dict) -> str:
     return json.dumps(value, indent=2, sort_keys=True, default=str)
 
 
-class TensorBoard:
+class FinalAtZero:
+    """Final metrics as `final/<name>` at step 0, for backends whose steps may go back (W&B's may not)."""
+
+    def final(self, metrics: dict[str, float]) -> None:
+        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
+
+
+class TensorBoard(FinalAtZero):
     def __init__(self, logdir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
         logdir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(str(logdir))
-
-    def final(self, metrics: dict[str, float]) -> None:
-        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
@@ -166,7 +170,7 @@ class TensorBoard:
         self.writer.close()
 
 
-class MLflow:
+class MLflow(FinalAtZero):
     """A nested run per stage under the pipeline run's run, found again by tags on resume."""
 
     PARAM_LIMIT = 6000  # MLflow's longest param value; longer ones are cut (the manifest has them whole)
@@ -193,9 +197,6 @@ class MLflow:
             self.client.update_run(found[0].info.run_id, status="RUNNING")
             return found[0].info.run_id
         return self.client.create_run(self.exp, run_name=name, tags={**tags, **(extra or {})}).info.run_id
-
-    def final(self, metrics: dict[str, float]) -> None:
-        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -225,7 +226,7 @@ class MLflow:
         self.client.set_terminated(self.parent, status)  # the pipeline run shows its latest stage's status
 
 
-class Trackio:
+class Trackio(FinalAtZero):
     """A run per stage in trackio's local store, grouped by the pipeline run; the record is its config."""
 
     def __init__(self, cfg: TrackingConfig, run: str, stage: str, key: str):
@@ -244,9 +245,6 @@ class Trackio:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
         self.step = max(self.step, step)
-
-    def final(self, metrics: dict[str, float]) -> None:
-        self.log(0, {f"final/{k}": v for k, v in metrics.items()})
 
     def text(self, tag: str, value: dict) -> None:
         import trackio

@@ -153,6 +153,7 @@ def join(
     from rlhf.core.manifest import ManifestError
     from rlhf.core.store import ArtifactMissing, ArtifactStore, StorageError
     from rlhf.pipeline.launch import torchrun
+    from rlhf.pipeline.rank import launch_spec
     from rlhf.pipeline.runner import stage_identity, stage_workdir
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -161,8 +162,7 @@ def join(
     except (ArtifactMissing, ManifestError, StorageError) as e:  # node 0 needs them as much as this node does
         typer.echo(f"{stage}: its inputs are not complete in the store: {e}", err=True)
         raise typer.Exit(2) from None
-    spec = {"config": cfg.model_dump(mode="json"), "stage": stage, "key": key, "inputs": inputs}
-    rc, _, _ = torchrun(spec, launch, stage_workdir(cfg, stage, key), node_rank, logging.getLogger(f"rlhf.{stage}"))
+    rc, _, _ = torchrun(launch_spec(cfg, stage, key, inputs), launch, stage_workdir(cfg, stage, key), node_rank, logging.getLogger(f"rlhf.{stage}"))
     raise typer.Exit(rc)
 
 

@@ -27,7 +27,7 @@ from rlhf.core.models import resolve_model
 from rlhf.core import tracking
 from rlhf.core.dist import NODE_ENV
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.pipeline.rank import LaunchError, rank_main
+from rlhf.pipeline.rank import LaunchError, importable_path, launch_spec, rank_main
 
 
 def check_launch(stage: str, launch: LaunchConfig) -> None:
@@ -47,15 +47,14 @@ def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
     launch: LaunchConfig | None = getattr(stage_cfg, "launch", None)
     if launch is None or (launch.processes == 1 and launch.backend == "torchrun"):
         return module.run(stage_cfg, ctx)
+    spec = launch_spec(ctx.cfg, ctx.stage, ctx.key, ctx.inputs)
     if launch.backend == "ray":  # the cluster's nodes check their own devices
         from rlhf.pipeline.ray_launch import run_on_ray
 
-        spec = {"config": ctx.cfg.model_dump(mode="json"), "stage": ctx.stage, "key": ctx.key, "inputs": ctx.inputs}
         with tracking.current().handoff():
             return StageResult(**run_on_ray(ctx, launch, spec))
     check_launch(ctx.stage, launch)
     resolve_model(ctx.cfg.model)  # builds the local copy of the base model once, not once per rank
-    spec = {"config": ctx.cfg.model_dump(mode="json"), "stage": ctx.stage, "key": ctx.key, "inputs": ctx.inputs}
     with tracking.current().handoff():
         rc, folder, tail = torchrun(spec, launch, ctx.workdir, 0, ctx.log)
     result_path = folder / "result.json"
@@ -90,9 +89,7 @@ def torchrun(spec: dict, launch: LaunchConfig, workdir: Path, node_rank: int, lo
              launch.strategy, node_rank, launch.nnodes)
     # One thread per rank on CPU: N ranks each using every core would oversubscribe the machine.
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
-    # The workers import what this process can (a reward function module found through its sys.path).
-    path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": path}
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": importable_path()}
     if launch.nnodes > 1:
         env[NODE_ENV] = str(node_rank)
     tail: deque[str] = deque(maxlen=30)

@@ -22,6 +22,17 @@ class LaunchError(RuntimeError):
     pass
 
 
+def launch_spec(cfg: PipelineConfig, stage: str, key: str, inputs: dict) -> dict:
+    """What every rank rebuilds its stage from (the launcher adds the rank's scratch folder)."""
+    return {"config": cfg.model_dump(mode="json"), "stage": stage, "key": key, "inputs": inputs}
+
+
+def importable_path() -> str:
+    """PYTHONPATH for ranks: they import what this process can (a reward function module found through its
+    sys.path)."""
+    return os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
+
+
 def rank_main(spec: dict) -> dict | None:
     """One rank of a launched stage: join the process group (torchrun's or the Ray launcher's environment),
     rebuild config, store and context from the spec, call the stage's own `run()`. Rank 0 returns the

@@ -24,14 +24,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
-from pathlib import Path
 
 from rlhf.core.cluster import address, address_problem, bundles, describe
 from rlhf.core.config import LaunchConfig
 from rlhf.core.dist import NODE_ENV
 from rlhf.core.stage import StageContext
-from rlhf.pipeline.rank import LaunchError, rank_main
+from rlhf.pipeline.rank import LaunchError, importable_path, rank_main
 
 log = logging.getLogger("rlhf.launch")
 # The parent's environment a rank needs (store credentials, model cache, test hooks, trackers), and no
@@ -89,9 +87,7 @@ def run_on_ray(ctx: StageContext, launch: LaunchConfig, spec: dict) -> dict:
         raise LaunchError(f"{ctx.stage}.launch.ray.address: {why}")
     connected_here = not ray.is_initialized()
     if connected_here:
-        # the ranks import what this process can (a reward function module found through its sys.path)
-        path = os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
-        ray.init(address=addr, logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": path}})
+        ray.init(address=addr, logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": importable_path()}})
     want = bundles(launch)
     pg = placement_group(want, strategy=launch.ray.strategy)
     actors: list = []
