@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from rlhf.core.config import PPOConfig
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.train.rl_loop import run_rl
+from rlhf.train import rl_loop
 
 
 def run(cfg: PPOConfig, ctx: StageContext) -> StageResult:
-    return run_rl("ppo", cfg, ctx)
+    return rl_loop.run_rl("ppo", cfg, ctx)
+
+
+def engine_host(cfg: PPOConfig, ctx: StageContext):
+    """The rollout engine's own actor under launch.ray.engine: own (rlhf/pipeline/ray_launch.py)."""
+    return rl_loop.engine_host(cfg, ctx)

@@ -99,6 +99,15 @@ def test_grpo_on_two_ray_nodes_equals_one_process(ray_cluster, tmp_path):
 
 
 @pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
+def test_grpo_with_its_rollout_engine_on_another_node_equals_one_process(ray_cluster, tmp_path):
+    # The rank trains on one node, the engine's actor samples on the other from the weights rank 0 sends
+    # after every update. lr 1e-3 moves the policy each iteration, so an engine one update behind would
+    # draw other samples and the rewards, losses and weights would differ.
+    assert_rl_equal(tmp_path, "grpo", "grpo.gradient_accumulation_steps=2", "grpo.launch.backend=ray",
+                    "grpo.launch.ray.engine=own", "grpo.launch.ray.strategy=STRICT_SPREAD")
+
+
+@pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
 def test_a_killed_rank_fails_the_stage_naming_it_and_a_rerun_resumes(ray_cluster, tmp_path):
     cfg = sft_cfg(str(tmp_path), *RAY, "sft.max_steps=8", "sft.save_steps=2")
     ckpt = Path(tmp_path) / "tiny" / "sft" / "checkpoints"
@@ -135,6 +144,11 @@ def test_validate_prints_the_bundles_and_refuses_what_the_cluster_cannot_place(r
                      (["sft.launch.processes=1", "sft.launch.ray.cpus_per_rank=2", "sft.launch.ray.strategy=PACK"], "bundle 0 ({'CPU': 2.0}) fits on no node")):
         with pytest.raises(ConfigError, match=r"sft\.launch\.ray: the cluster at .* cannot place .*" + re.escape(why)):
             load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, *bad])
+    engine = ["grpo.launch.backend=ray", "grpo.launch.ray.engine=own", "grpo.launch.ray.strategy=STRICT_SPREAD"]
+    result = CliRunner().invoke(app, ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", s] for s in engine), [])])
+    assert result.exit_code == 0 and "1 x {CPU: 1.0} + engine {CPU: 1.0} (STRICT_SPREAD)" in result.output, result.output
+    with pytest.raises(ConfigError, match=r"grpo\.launch\.ray: the cluster at .* cannot place 2 x \{CPU: 1.0\} \+ engine .*needs 3 CPU in all"):
+        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *engine, "grpo.launch.processes=2"])
     assert not any(Path(tmp_path).iterdir())
 
 
@@ -159,6 +173,11 @@ def test_an_unreachable_or_missing_address_is_refused_before_anything_is_written
     ([{"CPU": 1.0, "GPU": 1.0}] * 2, [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0}], "SPREAD", "needs 2 GPU in all, the cluster has 1"),
     ([{"CPU": 3.0}] * 2, [{"CPU": 4.0}, {"CPU": 2.0}], "PACK", "bundle 1 ({'CPU': 3.0}) fits on no node with what the other bundles leave"),
     ([{"CPU": 2.0}] * 3, [{"CPU": 4.0}, {"CPU": 2.0}], "PACK", None),
+    # two ranks and an engine bundle with a GPU (launch.ray.engine: own), one node per bundle
+    ([{"CPU": 1.0}] * 2 + [{"CPU": 1.0, "GPU": 1.0}], [{"CPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}, {"CPU": 2.0}], "STRICT_SPREAD", None),
+    ([{"CPU": 1.0}] * 2 + [{"CPU": 1.0, "GPU": 1.0}], [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 2.0}, {"CPU": 2.0}], "STRICT_SPREAD", None),
+    ([{"CPU": 4.0}] + [{"CPU": 1.0, "GPU": 1.0}], [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 2.0}], "STRICT_SPREAD",
+     "STRICT_SPREAD: bundle 1 ({'CPU': 1.0, 'GPU': 1.0}) fits on no node the other bundles leave free"),
 ])
 def test_placement_by_hand(want, nodes, strategy, why):
     assert cluster.unplaceable(want, nodes, strategy) == why

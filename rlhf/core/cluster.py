@@ -33,18 +33,26 @@ def address_problem(addr: str | None, timeout: float = 3.0) -> str | None:
         return f"no Ray cluster answers at {addr} ({e.strerror or e})"
 
 
+def _bundle(cpus: float, gpus: int) -> dict[str, float]:
+    return {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
+
+
 def bundles(launch: LaunchConfig) -> list[dict[str, float]]:
-    """One bundle per rank: its CPUs and GPUs."""
-    one = {"CPU": float(launch.ray.cpus_per_rank)}
-    if launch.ray.gpus_per_rank:
-        one["GPU"] = float(launch.ray.gpus_per_rank)
-    return [dict(one) for _ in range(launch.processes)]
+    """One bundle per rank (its CPUs and GPUs), then the rollout engine's when it has its own
+    (launch.ray.engine: own)."""
+    r = launch.ray
+    ranks = [_bundle(r.cpus_per_rank, r.gpus_per_rank) for _ in range(launch.processes)]
+    return ranks + ([_bundle(r.engine_cpus, r.engine_gpus)] if r.engine == "own" else [])
 
 
 def describe(launch: LaunchConfig) -> str:
-    """What `rlhf validate` shows: '2 x {CPU: 1.0} (PACK)'."""
-    one = ", ".join(f"{k}: {v}" for k, v in bundles(launch)[0].items())
-    return f"{launch.processes} x {{{one}}} ({launch.ray.strategy})"
+    """What `rlhf validate` shows: '2 x {CPU: 1.0} (PACK)', or '1 x {CPU: 1.0} + engine {CPU: 2.0} (SPREAD)'."""
+    def show(b: dict) -> str:
+        return "{" + ", ".join(f"{k}: {v}" for k, v in b.items()) + "}"
+
+    want = bundles(launch)
+    engine = f" + engine {show(want[-1])}" if launch.ray.engine == "own" else ""
+    return f"{launch.processes} x {show(want[0])}{engine} ({launch.ray.strategy})"
 
 
 def unplaceable(want: list[dict[str, float]], nodes: list[dict[str, float]], strategy: str) -> str | None:
@@ -61,9 +69,18 @@ def unplaceable(want: list[dict[str, float]], nodes: list[dict[str, float]], str
         if need > total:
             return f"needs {need:g} {k} in all, the cluster has {total:g}"
     if strategy == "STRICT_SPREAD":
-        usable = sum(1 for n in nodes if fits(want[0], n))
-        return None if usable >= len(want) else (
-            f"STRICT_SPREAD needs {len(want)} nodes that each fit {want[0]}, the cluster has {usable}")
+        if all(b == want[0] for b in want):
+            usable = sum(1 for n in nodes if fits(want[0], n))
+            return None if usable >= len(want) else (
+                f"STRICT_SPREAD needs {len(want)} nodes that each fit {want[0]}, the cluster has {usable}")
+        # a node per bundle, largest bundle first, each on the smallest free node that fits it
+        free = sorted(nodes, key=lambda n: sum(n.values()))
+        for i in sorted(range(len(want)), key=lambda i: -sum(want[i].values())):
+            node = next((n for n in free if fits(want[i], n)), None)
+            if node is None:
+                return f"STRICT_SPREAD: bundle {i} ({want[i]}) fits on no node the other bundles leave free"
+            free.remove(node)
+        return None
     free = sorted((dict(n) for n in nodes), key=lambda n: -sum(n.values()))
     for i, bundle in enumerate(want):
         node = next((n for n in free if fits(bundle, n)), None)

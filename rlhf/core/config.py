@@ -293,6 +293,11 @@ class RayLaunch(Strict):
     cpus_per_rank: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs reserved in each bundle (and torch threads per rank)
     gpus_per_rank: int = Field(0, ge=0, le=1)  # GPUs reserved in each bundle: 0 (CPU ranks) or 1 (a rank drives one GPU)
     ready_seconds: float = Field(60.0, gt=0.0, le=86_400.0)  # how long to wait for the cluster to place the bundles
+    # RL stages (ppo, grpo): the rollout engine inside every rank (colocated), or one engine actor on a
+    # bundle of its own in the same placement group (own), whose weights follow the policy after each update
+    engine: Literal["colocated", "own"] = "colocated"
+    engine_cpus: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs of the engine's bundle (engine: own)
+    engine_gpus: int = Field(0, ge=0, le=1)  # GPUs of the engine's bundle (engine: own)
 
     @field_validator("address")
     @classmethod
@@ -324,6 +329,9 @@ class LaunchConfig(Strict):
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchConfig:
+        if self.ray.engine == "own" and self.backend != "ray":
+            raise ValueError("backend: ray.engine 'own' places the rollout engine in the stage's Ray placement "
+                             f"group, so it needs backend 'ray', got {self.backend!r}")
         if self.nnodes > 1:
             if self.backend != "torchrun":
                 raise ValueError(f"nnodes: {self.nnodes} nodes is a torchrun setting; Ray places ranks itself (backend ray)")
@@ -357,6 +365,9 @@ class TrainerOptions(Placement):
 
     @model_validator(mode="after")
     def _steps(self) -> TrainerOptions:
+        if self.launch.ray.engine != "colocated":
+            raise ValueError("launch: ray.engine 'own' is for the RL stages (ppo, grpo), which sample through a "
+                             "rollout engine; leave it 'colocated' here")
         if self.max_steps == 0:
             raise ValueError("max_steps: must be -1 (use num_epochs) or >= 1, got 0")
         return self

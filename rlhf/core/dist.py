@@ -14,6 +14,19 @@ import os
 NODE_ENV = "RLHF_NODE"
 
 
+_ENGINE_ACTOR = None  # launch.ray.engine: own: the Ray actor this rank samples through (set by the Ray launcher)
+
+
+def set_engine_actor(handle) -> None:
+    global _ENGINE_ACTOR
+    _ENGINE_ACTOR = handle
+
+
+def engine_actor():
+    """The rollout engine's actor of this rank's stage, or None (the engine runs in the rank)."""
+    return _ENGINE_ACTOR
+
+
 def _dist():
     import torch.distributed as dist
 

@@ -33,6 +33,14 @@ def importable_path() -> str:
     return os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
 
 
+def rank_context(spec: dict) -> StageContext:
+    """Config, store and stage context rebuilt from a launch spec (a rank's, or the Ray engine actor's)."""
+    cfg = PipelineConfig.model_validate(spec["config"])
+    stage = spec["stage"]
+    return StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
+                        logging.getLogger(f"rlhf.{stage}"))
+
+
 def rank_main(spec: dict) -> dict | None:
     """One rank of a launched stage: join the process group (torchrun's or the Ray launcher's environment),
     rebuild config, store and context from the spec, call the stage's own `run()`. Rank 0 returns the
@@ -49,10 +57,8 @@ def rank_main(spec: dict) -> dict | None:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
-    cfg = PipelineConfig.model_validate(spec["config"])
-    stage = spec["stage"]
-    ctx = StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
-                       logging.getLogger(f"rlhf.{stage}"))
+    ctx = rank_context(spec)
+    cfg, stage = ctx.cfg, ctx.stage
     # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
     with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir, cfg.run.name, stage, spec["key"]):
         result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)

@@ -21,15 +21,17 @@ every case, so no reservation leaks. A rerun resumes from the last complete chec
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
 
 from rlhf.core.cluster import address, address_problem, bundles, describe
 from rlhf.core.config import LaunchConfig
-from rlhf.core.dist import NODE_ENV
+from rlhf.core.registry import SPECS
+from rlhf.core.dist import NODE_ENV, set_engine_actor
 from rlhf.core.stage import StageContext
-from rlhf.pipeline.rank import LaunchError, importable_path, rank_main
+from rlhf.pipeline.rank import LaunchError, importable_path, rank_context, rank_main
 
 log = logging.getLogger("rlhf.launch")
 # The parent's environment a rank needs (store credentials, model cache, test hooks, trackers), and no
@@ -69,11 +71,39 @@ def _rank_actor():
                 s.bind(("", 0))
                 return s.getsockname()[1]
 
-        def run(self, spec: dict, env: dict[str, str]) -> dict | None:
+        def run(self, spec: dict, env: dict[str, str], engine=None) -> dict | None:
             os.environ.update(env)
+            set_engine_actor(engine)
             return rank_main(spec)
 
     return ray.remote(Rank)
+
+
+def _engine_actor():
+    import ray
+
+    class EngineHost:
+        """The RL loop's rollout engine on a bundle of its own (launch.ray.engine: own): a copy of the policy
+        and the configured engine over it; rank 0 replaces the weights after every update."""
+
+        def start(self, spec: dict, env: dict[str, str]) -> None:
+            os.environ.update(env)
+            ctx = rank_context(spec)
+            stage = importlib.import_module(SPECS[ctx.stage].module)  # ppo / grpo: the RL loop's engine_host
+            self.engine, self.policy, self.amp = stage.engine_host(ctx.cfg.stage(ctx.stage), ctx)
+
+        def generate(self, prompts, params, shard):
+            with self.amp():  # the trainer's numerics: a colocated engine samples under the same context
+                return self.engine.generate(prompts, params, shard)
+
+        def sync(self, state: dict) -> float | None:
+            self.policy.load_state_dict(state)
+            return self.engine.sync(self.policy)
+
+        def close(self) -> None:
+            self.engine.close()
+
+    return ray.remote(EngineHost)
 
 
 def run_on_ray(ctx: StageContext, launch: LaunchConfig, spec: dict) -> dict:
@@ -100,15 +130,29 @@ def run_on_ray(ctx: StageContext, launch: LaunchConfig, spec: dict) -> dict:
         actor = _rank_actor()
         actors = [actor.options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_restarts=0,
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
-                  for i, b in enumerate(want)]
-        where = ray.get([a.where.remote() for a in actors])
-        port = ray.get(actors[0].free_port.remote())
+                  for i, b in enumerate(want[: launch.processes])]
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
+        engine = None
+        if launch.ray.engine == "own":  # the last bundle: started (model loaded) before the ranks need it
+            b = want[-1]
+            engine = _engine_actor().options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_restarts=0,
+                                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=len(want) - 1)).remote()
+            actors.append(engine)
+            try:
+                ray.get(engine.start.remote({**spec, "workdir": str(ctx.workdir / "engine")},
+                                            {**forwarded, "OMP_NUM_THREADS": str(max(1, int(launch.ray.engine_cpus)))}))
+            except ray.exceptions.RayError as e:
+                cause = getattr(e, "cause", None) or e
+                raise LaunchError(f"stage {ctx.stage!r}: the rollout engine's actor did not start: "
+                                  f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
+        ranks = actors[: launch.processes]
+        where = ray.get([a.where.remote() for a in ranks])
+        port = ray.get(ranks[0].free_port.remote())
         envs = rank_envs(where, port, launch, forwarded)
-        ctx.log.info("%s: %d ranks on Ray (%s) on nodes %s", ctx.stage, len(actors), describe(launch),
+        ctx.log.info("%s: %d ranks on Ray (%s) on nodes %s", ctx.stage, len(ranks), describe(launch),
                      ", ".join(f"{w['node'][:12]} (pid {w['pid']})" for w in where))
-        refs = [a.run.remote({**spec, "workdir": str(ctx.workdir / "nodes" / w["node"][:16])}, env)
-                for a, w, env in zip(actors, where, envs)]
+        refs = [a.run.remote({**spec, "workdir": str(ctx.workdir / "nodes" / w["node"][:16])}, env, engine)
+                for a, w, env in zip(ranks, where, envs)]
         return _results(ray, refs, where, ctx.stage)[0]
     finally:
         for a in actors:

@@ -33,6 +33,7 @@ from rlhf.engines.engine import Engine, HFEngine, SamplingParams, chat_ids
 from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import last_logits_only, sequence_logps
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
+from rlhf.train import remote_engine
 from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import Task, assistant, user
@@ -466,10 +467,26 @@ class SyncedVLLM:
         self.engine.close()
 
 
-def make_engine(ctx, policy, tok, init: str, resumed: bool, task: Task) -> Engine:
+def make_engine(ctx, policy, tok, init: str, resumed: bool, task: Task, local: bool = False) -> Engine:
+    """The configured engine over `policy`; with `launch.ray.engine: own` (not `local`) the engine actor the
+    Ray launcher started for this stage."""
+    if not local and (handle := dist.engine_actor()) is not None:
+        return remote_engine.RemoteEngine(handle, policy)
     if ctx.cfg.rollout.engine == "vllm":
         return SyncedVLLM(ctx, policy, tok, init, resumed, task.train[0])
     return HFEngine(policy, tok, ctx.cfg.rollout.batch_size)
+
+
+def engine_host(cfg, ctx: StageContext):
+    """What the engine actor of `launch.ray.engine: own` runs (rlhf/pipeline/ray_launch.py): a copy of the
+    policy as the RL loop builds it and the configured engine over it. Returns (engine, policy copy, the
+    mixed-precision context); the trainer's weights arrive by sync before the first sample."""
+    init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
+    tok = load_tokenizer(init)
+    policy = load_policy(cfg, init, None, ctx.cfg.model).to(ctx_device()).eval().requires_grad_(False)
+    task = Task(ctx.cfg.data)
+    return (make_engine(ctx, policy, tok, init, False, task, local=True), policy,
+            lambda: autocast(ctx.cfg.model, ctx_device().type))
 
 
 def ctx_device() -> torch.device:
