@@ -24,8 +24,9 @@ ROLLOUT_SCHEMA = pa.schema([
     pa.field("sample_index", pa.int64(), nullable=False),
     pa.field("prompt", pa.string()),
     pa.field("response", pa.string()),
-    pa.field("token_ids", pa.list_(pa.int32())),
-    pa.field("logprobs", pa.list_(pa.float32())),
+    # the RL loop's experience tables name the same columns the same way (rlhf/train/rl_loop.py)
+    pa.field("response_ids", pa.list_(pa.int32())),
+    pa.field("logp_rollout", pa.list_(pa.float32())),
     pa.field("finish_reason", pa.string()),
     pa.field("reward", pa.float64()),
 ])
@@ -49,7 +50,7 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
         with torch.inference_mode():
             gens = HFEngine(load_causal_lm(path, ctx.cfg.model), tok, cfg.batch_size).generate(prompts, params, on_batch=on_batch)
     rows = [{"prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index, "prompt": problems[g.prompt_index].question,
-             "response": g.text, "token_ids": g.token_ids, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
+             "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "finish_reason": g.finish_reason,
              "reward": task.score(g.text, problems[g.prompt_index])} for g in gens]
     ctx.store.write_table(ctx.path("rollouts.parquet"), pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), ROLLOUT_SCHEMA)
     mean_reward = sum(r["reward"] for r in rows) / len(rows)

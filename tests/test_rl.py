@@ -111,9 +111,9 @@ def test_rollout_stage_writes_scored_samples(tiny_cfg):
     table = store.read_table(store.stage_path(cfg.run.name, "rollout", "rollouts.parquet"), ROLLOUT_SCHEMA)
     rows = table.to_pylist()
     assert len(rows) == 12 and m["rows"] == {"samples": 12}
-    assert all(len(r["token_ids"]) == len(r["logprobs"]) <= 8 for r in rows)
+    assert all(len(r["response_ids"]) == len(r["logp_rollout"]) <= 8 for r in rows)
     assert all(r["finish_reason"] in ("stop", "length") and 0.0 <= r["reward"] <= 1.0 for r in rows)
-    assert all(lp <= 0.0 for r in rows for lp in r["logprobs"])
+    assert all(lp <= 0.0 for r in rows for lp in r["logp_rollout"])
     again = execute_stage(cfg, "rollout")
     assert again["status"] == "skipped"
 
