@@ -15,3 +15,8 @@ def run(cfg: GRPOConfig, ctx: StageContext) -> StageResult:
 def engine_host(cfg: GRPOConfig, ctx: StageContext):
     """The rollout engine's own actor under launch.ray.engine: own (rlhf/pipeline/ray_launch.py)."""
     return rl_loop.engine_host(cfg, ctx)
+
+
+def scorer_host(cfg: GRPOConfig, ctx: StageContext):
+    """The frozen models' own actor under launch.ray.scorers: own (rlhf/pipeline/ray_launch.py)."""
+    return rl_loop.LocalScorers(cfg, ctx)

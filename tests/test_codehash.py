@@ -30,7 +30,7 @@ def test_an_edit_changes_the_keys_of_exactly_the_stages_that_import_it(tmp_path)
     assert edit("stages/rollout.py") == {"rollout"}  # a stage module is its own: no stage imports another
     assert edit("rlhf/engines/vllm_engine.py") == {"rollout", "ppo", "grpo"}  # both sample through it
     assert edit("rlhf/train/rl_loop.py") == {"ppo", "grpo"}
-    assert edit("rlhf/train/remote_engine.py") == {"ppo", "grpo"}  # a Ray engine actor: the RL loop only
+    assert edit("rlhf/train/remote.py") == {"ppo", "grpo"}  # a Ray engine actor: the RL loop only
     after = versions(tmp_path)
     for rel in ("rlhf/ops/report.py", "rlhf/ops/cli.py"):  # nothing a stage runs
         with open(tmp_path / rel, "a") as f:

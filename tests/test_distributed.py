@@ -97,13 +97,14 @@ def test_two_process_rl_equals_one_process_with_accumulation(tmp_path, algo):
     assert_rl_equal(tmp_path, algo, f"{algo}.launch.processes=2")
 
 
-def assert_rl_equal(tmp_path, algo: str, *two: str) -> None:
-    """The RL loop on 2 ranks (launched as `two` says) equals 1 process with accumulation 2."""
+def assert_rl_equal(tmp_path, algo: str, *two: str, both: tuple[str, ...] = ()) -> None:
+    """The RL loop launched as `two` says (2 ranks, or 1 with accumulation 2 and its engine or scorers in
+    actors) equals 1 process with accumulation 2; `both` overrides the settings of both runs."""
     prompts = 2 if algo == "grpo" else 8  # 8 rollouts per iteration either way
     common = [*only(algo), "rollout.batch_size=4", "rollout.max_new_tokens=8", "rollout.temperature=0.1",
               f"{algo}.reward_source=function", f"{algo}.reward_function=reward_fns:low_vocab_share",
               f"{algo}.learning_rate=1e-3", f"{algo}.iterations=3", f"{algo}.prompts_per_iteration={prompts}",
-              f"{algo}.minibatch_size=8", f"{algo}.eval_prompts=2", f"{algo}.save_every=2"]
+              f"{algo}.minibatch_size=8", f"{algo}.eval_prompts=2", f"{algo}.save_every=2", *both]
     urls = {n: str(tmp_path / n) for n in ("one", "two")}
     for name, extra in (("one", [f"{algo}.gradient_accumulation_steps=2"]), ("two", list(two))):
         execute_stage(load_config(CONFIG, "tiny", [f"storage.url={urls[name]}", *common, *extra]), algo)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIG, run_cli
-from test_distributed import assert_rl_equal, sft_cfg, weights
+from conftest import CONFIG, only, run_cli
+from test_distributed import assert_rl_equal, rl_metrics, sft_cfg, weights
 from typer.testing import CliRunner
 
 from rlhf.core import cluster
@@ -96,6 +97,21 @@ def test_grpo_on_two_ray_nodes_equals_one_process(ray_cluster, tmp_path):
     # rollouts sharded by engine batch and gathered, gradients summed across nodes: the same numbers
     assert_rl_equal(tmp_path, "grpo", "grpo.launch.processes=2", "grpo.launch.backend=ray",
                     "grpo.launch.ray.strategy=STRICT_SPREAD")
+
+
+@pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
+def test_grpo_with_its_reference_and_reward_model_in_an_actor_on_another_node_equals_one_process(ray_cluster, tmp_path):
+    # GRPO rewarded by a reward model (plus the verifier) with a k3 KL term against the reference: in one
+    # process, and with the rank on one node and both frozen models in the scorers' actor on the other.
+    rm = [*only("reward_model"), "reward_model.init_from=base"]
+    execute_stage(load_config(CONFIG, "tiny", [f"storage.url={tmp_path / 'one'}", *rm]), "reward_model")
+    shutil.copytree(tmp_path / "one" / "tiny" / "reward_model", tmp_path / "two" / "tiny" / "reward_model")
+    both = ("reward_model.enabled=true", "reward_model.init_from=base", "grpo.reward_source=sum",
+            "grpo.reward_function=null", "grpo.beta=0.1")
+    assert_rl_equal(tmp_path, "grpo", "grpo.gradient_accumulation_steps=2", "grpo.launch.backend=ray",
+                    "grpo.launch.ray.scorers=own", "grpo.launch.ray.strategy=STRICT_SPREAD", both=both)
+    kl = [v for (step, name), v in rl_metrics(str(tmp_path / "two"), "grpo").items() if name == "kl"]
+    assert max(kl) > 0  # the reference was used: its log-probs differ from the moving policy's
 
 
 @pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores

@@ -37,12 +37,18 @@ def _bundle(cpus: float, gpus: int) -> dict[str, float]:
     return {"CPU": float(cpus), **({"GPU": float(gpus)} if gpus else {})}
 
 
-def bundles(launch: LaunchConfig) -> list[dict[str, float]]:
-    """One bundle per rank (its CPUs and GPUs), then the rollout engine's when it has its own
-    (launch.ray.engine: own)."""
+def actor_bundles(launch: LaunchConfig) -> list[tuple[str, dict[str, float]]]:
+    """The RL loop's actors with bundles of their own, in placement order after the ranks: the rollout
+    engine (launch.ray.engine: own), then the frozen scorers (launch.ray.scorers: own)."""
     r = launch.ray
-    ranks = [_bundle(r.cpus_per_rank, r.gpus_per_rank) for _ in range(launch.processes)]
-    return ranks + ([_bundle(r.engine_cpus, r.engine_gpus)] if r.engine == "own" else [])
+    return ([("engine", _bundle(r.engine_cpus, r.engine_gpus))] if r.engine == "own" else []) + (
+        [("scorers", _bundle(r.scorer_cpus, r.scorer_gpus))] if r.scorers == "own" else [])
+
+
+def bundles(launch: LaunchConfig) -> list[dict[str, float]]:
+    """One bundle per rank (its CPUs and GPUs), then one per actor of `actor_bundles`."""
+    r = launch.ray
+    return [_bundle(r.cpus_per_rank, r.gpus_per_rank) for _ in range(launch.processes)] + [b for _, b in actor_bundles(launch)]
 
 
 def describe(launch: LaunchConfig) -> str:
@@ -50,9 +56,8 @@ def describe(launch: LaunchConfig) -> str:
     def show(b: dict) -> str:
         return "{" + ", ".join(f"{k}: {v}" for k, v in b.items()) + "}"
 
-    want = bundles(launch)
-    engine = f" + engine {show(want[-1])}" if launch.ray.engine == "own" else ""
-    return f"{launch.processes} x {show(want[0])}{engine} ({launch.ray.strategy})"
+    actors = "".join(f" + {role} {show(b)}" for role, b in actor_bundles(launch))
+    return f"{launch.processes} x {show(bundles(launch)[0])}{actors} ({launch.ray.strategy})"
 
 
 def unplaceable(want: list[dict[str, float]], nodes: list[dict[str, float]], strategy: str) -> str | None:

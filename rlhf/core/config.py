@@ -298,6 +298,11 @@ class RayLaunch(Strict):
     engine: Literal["colocated", "own"] = "colocated"
     engine_cpus: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs of the engine's bundle (engine: own)
     engine_gpus: int = Field(0, ge=0, le=1)  # GPUs of the engine's bundle (engine: own)
+    # RL stages: the frozen scorers (reference, reward model) inside every rank (colocated), or one actor
+    # holding them on a bundle of its own (own); the ranks send it their rows to score
+    scorers: Literal["colocated", "own"] = "colocated"
+    scorer_cpus: float = Field(1.0, gt=0.0, le=1024.0)  # CPUs of the scorers' bundle (scorers: own)
+    scorer_gpus: int = Field(0, ge=0, le=1)  # GPUs of the scorers' bundle (scorers: own)
 
     @field_validator("address")
     @classmethod
@@ -329,9 +334,10 @@ class LaunchConfig(Strict):
 
     @model_validator(mode="after")
     def _nodes(self) -> LaunchConfig:
-        if self.ray.engine == "own" and self.backend != "ray":
-            raise ValueError("backend: ray.engine 'own' places the rollout engine in the stage's Ray placement "
-                             f"group, so it needs backend 'ray', got {self.backend!r}")
+        for what, value in (("engine", self.ray.engine), ("scorers", self.ray.scorers)):
+            if value == "own" and self.backend != "ray":
+                raise ValueError(f"backend: ray.{what} 'own' places an actor in the stage's Ray placement group, "
+                                 f"so it needs backend 'ray', got {self.backend!r}")
         if self.nnodes > 1:
             if self.backend != "torchrun":
                 raise ValueError(f"nnodes: {self.nnodes} nodes is a torchrun setting; Ray places ranks itself (backend ray)")
@@ -365,9 +371,9 @@ class TrainerOptions(Placement):
 
     @model_validator(mode="after")
     def _steps(self) -> TrainerOptions:
-        if self.launch.ray.engine != "colocated":
-            raise ValueError("launch: ray.engine 'own' is for the RL stages (ppo, grpo), which sample through a "
-                             "rollout engine; leave it 'colocated' here")
+        if "own" in (self.launch.ray.engine, self.launch.ray.scorers):
+            raise ValueError("launch: ray.engine and ray.scorers 'own' are for the RL stages (ppo, grpo), which "
+                             "sample through a rollout engine and score with frozen models; leave them 'colocated' here")
         if self.max_steps == 0:
             raise ValueError("max_steps: must be -1 (use num_epochs) or >= 1, got 0")
         return self
@@ -574,6 +580,13 @@ class RLOptions(Placement):
     def rollouts_per_iteration(self) -> int:
         return self.prompts_per_iteration * self.samples_per_prompt()
 
+    def frozen_models(self) -> list[str]:
+        """The frozen models this loop scores with, besides the policy: a reference model (when the
+        algorithm's `uses_reference`; not with LoRA, whose reference is the policy with its adapters off)
+        and a reward model."""
+        return (["reference"] if self.uses_reference() and not self.lora.enabled else []) + (
+            ["reward_model"] if self.reward_source in ("reward_model", "sum") else [])
+
     def samples_per_prompt(self) -> int:
         return 1
 
@@ -616,6 +629,9 @@ class PPOConfig(RLOptions):
     critic_init: Literal["sft", "reward_model"] = "sft"
     kl: KLControlConfig = KLControlConfig()
 
+    def uses_reference(self) -> bool:
+        return self.kl.beta > 0 or self.kl.mode == "adaptive"  # the KL penalty, or a controller that may raise it
+
 
 class GRPOConfig(RLOptions):
     group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
@@ -638,6 +654,9 @@ class GRPOConfig(RLOptions):
 
     def samples_per_prompt(self) -> int:
         return self.group_size
+
+    def uses_reference(self) -> bool:
+        return self.beta > 0  # the k3 term in the loss
 
 
 class EvalConfig(Placement):
@@ -746,6 +765,10 @@ class PipelineConfig(Strict):
             rl = self.stage(name)
             if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
                 raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
+            if rl.enabled and rl.launch.ray.scorers == "own" and not rl.frozen_models():
+                raise ValueError(f"{name}.launch.ray.scorers: 'own' but this {name} has no frozen model to place: no "
+                                 "reference (KL coefficient 0, or LoRA, whose reference is the policy with its adapters "
+                                 "off) and no reward model (reward_source verifier or function)")
             if rl.enabled and self.rollout.engine == "vllm" and (rl.lora.enabled or rl.launch.processes > 1):
                 raise ValueError(f"rollout.engine: 'vllm' in the RL loop needs {name}.lora.enabled false and "
                                  f"{name}.launch.processes 1 in this version (weights sync as one merged folder)")

@@ -27,6 +27,19 @@ def engine_actor():
     return _ENGINE_ACTOR
 
 
+_SCORER_ACTOR = None  # launch.ray.scorers: own: the Ray actor holding the RL loop's frozen models
+
+
+def set_scorer_actor(handle) -> None:
+    global _SCORER_ACTOR
+    _SCORER_ACTOR = handle
+
+
+def scorer_actor():
+    """The actor that holds this rank's reference and reward model, or None (they are in the rank)."""
+    return _SCORER_ACTOR
+
+
 def _dist():
     import torch.distributed as dist
 

@@ -9,6 +9,10 @@ Train's TorchTrainer: TorchTrainer owns the training loop and the process group,
 whole `run()` functions that already set up data parallelism through accelerate or the RL loop's own
 gradient sum; actors let one entry point serve both launchers.
 
+The RL stages may add up to two bundles after the ranks' (rlhf/core/cluster.py `actor_bundles`): the
+rollout engine's actor (`launch.ray.engine: own`) and the frozen scorers' actor (`launch.ray.scorers:
+own`), started and loaded before the ranks, which reach them through rlhf/train/remote.py.
+
 Ranks on one node share a scratch folder (`<stage scratch>/nodes/<node id>`); ranks on different nodes
 share only the store: each node downloads its inputs once (its first rank), and a rank on another node
 than rank 0 uploads its own part of a checkpoint (rlhf/train/training.py). Rank 0 alone writes artifacts;
@@ -26,10 +30,10 @@ import logging
 import os
 import socket
 
-from rlhf.core.cluster import address, address_problem, bundles, describe
+from rlhf.core.cluster import actor_bundles, address, address_problem, bundles, describe
 from rlhf.core.config import LaunchConfig
 from rlhf.core.registry import SPECS
-from rlhf.core.dist import NODE_ENV, set_engine_actor
+from rlhf.core.dist import NODE_ENV, set_engine_actor, set_scorer_actor
 from rlhf.core.stage import StageContext
 from rlhf.pipeline.rank import LaunchError, importable_path, rank_context, rank_main
 
@@ -71,15 +75,16 @@ def _rank_actor():
                 s.bind(("", 0))
                 return s.getsockname()[1]
 
-        def run(self, spec: dict, env: dict[str, str], engine=None) -> dict | None:
+        def run(self, spec: dict, env: dict[str, str], engine=None, scorers=None) -> dict | None:
             os.environ.update(env)
             set_engine_actor(engine)
+            set_scorer_actor(scorers)
             return rank_main(spec)
 
     return ray.remote(Rank)
 
 
-def _engine_actor():
+def _actor_classes() -> dict:
     import ray
 
     class EngineHost:
@@ -103,7 +108,22 @@ def _engine_actor():
         def close(self) -> None:
             self.engine.close()
 
-    return ray.remote(EngineHost)
+    class ScorerHost:
+        """The RL loop's frozen models on a bundle of their own (launch.ray.scorers: own): the reference
+        policy and the reward model, loaded as a rank would load them (rl_loop.LocalScorers)."""
+
+        def start(self, spec: dict, env: dict[str, str]) -> None:
+            os.environ.update(env)
+            ctx = rank_context(spec)
+            self.scorers = importlib.import_module(SPECS[ctx.stage].module).scorer_host(ctx.cfg.stage(ctx.stage), ctx)
+
+        def ref_logps(self, batch, temperature: float, size: int):
+            return self.scorers.ref_logps(batch, temperature, size)
+
+        def rm_scores(self, conversations: list) -> list[float]:
+            return self.scorers.rm_scores(conversations)
+
+    return {"engine": ray.remote(EngineHost), "scorers": ray.remote(ScorerHost)}
 
 
 def run_on_ray(ctx: StageContext, launch: LaunchConfig, spec: dict) -> dict:
@@ -132,18 +152,18 @@ def run_on_ray(ctx: StageContext, launch: LaunchConfig, spec: dict) -> dict:
                                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
                   for i, b in enumerate(want[: launch.processes])]
         forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
-        engine = None
-        if launch.ray.engine == "own":  # the last bundle: started (model loaded) before the ranks need it
-            b = want[-1]
-            engine = _engine_actor().options(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_restarts=0,
-                                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=len(want) - 1)).remote()
-            actors.append(engine)
+        started = {}  # role -> actor: loaded before the ranks need them
+        for i, (role, b) in enumerate(actor_bundles(launch), start=launch.processes):
+            started[role] = _actor_classes()[role].options(
+                num_cpus=b["CPU"], num_gpus=b.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote()
+            actors.append(started[role])
             try:
-                ray.get(engine.start.remote({**spec, "workdir": str(ctx.workdir / "engine")},
-                                            {**forwarded, "OMP_NUM_THREADS": str(max(1, int(launch.ray.engine_cpus)))}))
+                ray.get(started[role].start.remote({**spec, "workdir": str(ctx.workdir / role)},
+                                                   {**forwarded, "OMP_NUM_THREADS": str(max(1, int(b["CPU"])))}))
             except ray.exceptions.RayError as e:
                 cause = getattr(e, "cause", None) or e
-                raise LaunchError(f"stage {ctx.stage!r}: the rollout engine's actor did not start: "
+                raise LaunchError(f"stage {ctx.stage!r}: the {role} actor did not start: "
                                   f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}") from None
         ranks = actors[: launch.processes]
         where = ray.get([a.where.remote() for a in ranks])
@@ -151,7 +171,8 @@ def run_on_ray(ctx: StageContext, launch: LaunchConfig, spec: dict) -> dict:
         envs = rank_envs(where, port, launch, forwarded)
         ctx.log.info("%s: %d ranks on Ray (%s) on nodes %s", ctx.stage, len(ranks), describe(launch),
                      ", ".join(f"{w['node'][:12]} (pid {w['pid']})" for w in where))
-        refs = [a.run.remote({**spec, "workdir": str(ctx.workdir / "nodes" / w["node"][:16])}, env, engine)
+        refs = [a.run.remote({**spec, "workdir": str(ctx.workdir / "nodes" / w["node"][:16])}, env,
+                             started.get("engine"), started.get("scorers"))
                 for a, w, env in zip(ranks, where, envs)]
         return _results(ray, refs, where, ctx.stage)[0]
     finally:

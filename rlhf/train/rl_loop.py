@@ -33,7 +33,7 @@ from rlhf.engines.engine import Engine, HFEngine, SamplingParams, chat_ids
 from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import last_logits_only, sequence_logps
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
-from rlhf.train import remote_engine
+from rlhf.train import remote
 from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import Task, assistant, user
@@ -83,6 +83,10 @@ class Batch:
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] (PPO)
 
+    def rows(self, lo: int, hi: int) -> Batch:
+        """Rows [lo, hi) of what a scorer reads (ids, masks), on the CPU: what a scorer actor is sent."""
+        return Batch(*(t[lo:hi].cpu() for t in (self.input_ids, self.attention_mask, self.mask, self.logp_rollout)))
+
     def to(self, device) -> Batch:
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
@@ -128,12 +132,21 @@ def score_all(model, batch: Batch, temperature: float, size: int, values: bool =
     """Log-probs (or values) of every row, [B, T]. With several ranks each scores a contiguous share of
     the rows and the shares are gathered, so every rank holds the whole batch's numbers."""
     model.eval()
-    rows, world = len(batch.mask), dist.world_size()
-    per = -(-rows // world)
-    lo, hi = min(dist.rank() * per, rows), min((dist.rank() + 1) * per, rows)
+    lo, hi = row_share(len(batch.mask))
     chunks = [forward(model, batch, slice(i, min(i + size, hi)), temperature, values) for i in range(lo, hi, size)]
     mine = torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
-    if world == 1:  # no device -> CPU -> device round trip for a gather of one
+    return gathered(mine, batch)
+
+
+def row_share(rows: int) -> tuple[int, int]:
+    """This rank's contiguous share [lo, hi) of a batch's rows."""
+    per = -(-rows // dist.world_size())
+    return min(dist.rank() * per, rows), min((dist.rank() + 1) * per, rows)
+
+
+def gathered(mine: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Every rank's share of the rows, in rank order, masked: the whole batch's numbers on every rank."""
+    if dist.world_size() == 1:  # no device -> CPU -> device round trip for a gather of one
         return mine * batch.mask
     return torch.cat([part.to(batch.mask.device) for part in dist.all_gather(mine.cpu())]) * batch.mask
 
@@ -158,10 +171,6 @@ def grpo_extra_loss(cfg, batch: Batch, rows, logp, mask, beta):
     return cfg.beta * k3, {"k3": k3}
 
 
-def ppo_uses_reference(cfg) -> bool:
-    return cfg.kl.beta > 0 or cfg.kl.mode == "adaptive"
-
-
 def ppo_next_beta(cfg, beta: float, kl: float, n_steps: int) -> float:
     if cfg.kl.mode != "adaptive":
         return beta
@@ -176,16 +185,15 @@ class Algorithm:
     advantages: Callable  # (cfg, batch, scores, beta) -> None: sets batch.advantages (and returns)
     extra_loss: Callable  # (cfg, batch, rows, logp, mask, beta) -> (loss term, its metrics)
     critic: bool  # a value model is trained beside the policy
-    uses_reference: Callable  # (cfg) -> bool: a frozen reference's log-probs are needed
     initial_beta: Callable  # (cfg) -> float: the KL coefficient at iteration 1
     next_beta: Callable  # (cfg, beta, kl, n_steps) -> float: after each iteration (adaptive KL)
     entropy_coef: Callable  # (cfg) -> float: weight of the entropy bonus in the loss
 
 
 ALGORITHMS = {a.name: a for a in (
-    Algorithm("ppo", ppo_advantages, lambda *a: (0.0, {}), critic=True, uses_reference=ppo_uses_reference,
+    Algorithm("ppo", ppo_advantages, lambda *a: (0.0, {}), critic=True,
               initial_beta=lambda cfg: cfg.kl.beta, next_beta=ppo_next_beta, entropy_coef=lambda cfg: cfg.entropy_coef),
-    Algorithm("grpo", grpo_advantages, grpo_extra_loss, critic=False, uses_reference=lambda cfg: cfg.beta > 0,
+    Algorithm("grpo", grpo_advantages, grpo_extra_loss, critic=False,
               initial_beta=lambda cfg: cfg.beta, next_beta=lambda cfg, beta, kl, n: beta, entropy_coef=lambda cfg: 0.0),
 )}
 
@@ -205,15 +213,24 @@ class Step:
 
 
 # ---- rewards ----------------------------------------------------------------------------------------
-def make_reward(cfg, ctx: StageContext, task: Task):
-    """Returns reward(problems, gens) -> [B] tensor, for the configured source."""
-    rm = None
-    if cfg.reward_source in ("reward_model", "sum"):
-        from transformers import AutoModelForSequenceClassification
+def load_reward_model(ctx: StageContext):
+    from transformers import AutoModelForSequenceClassification
 
-        path = fetch_model(ctx, "reward_model")
-        rm = (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype)).to(ctx_device()),
-              load_tokenizer(path))
+    path = fetch_model(ctx, "reward_model")
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype))
+    return model.to(ctx_device()), load_tokenizer(path)
+
+
+def make_reward(cfg, ctx: StageContext, task: Task, scorers=None):
+    """Returns reward(problems, gens) -> [B] tensor, for the configured source. The reward model scores in
+    this process, or in the scorers' actor (`scorers`, launch.ray.scorers: own)."""
+    rm_scores = None
+    if cfg.reward_source in ("reward_model", "sum"):
+        if scorers is not None:
+            rm_scores = scorers.rm_scores
+        else:
+            model, tok = load_reward_model(ctx)
+            rm_scores = lambda convs: reward_model_scores(model, tok, convs)  # noqa: E731
     fn = import_reward_function(cfg.reward_function) if cfg.reward_source == "function" else None
 
     def reward(problems, gens) -> torch.Tensor:
@@ -223,9 +240,8 @@ def make_reward(cfg, ctx: StageContext, task: Task):
         total = torch.zeros(len(gens))
         if cfg.reward_source in ("verifier", "sum"):
             total += torch.tensor([task.score(t, p) for t, p in zip(texts, problems)])
-        if rm is not None:
-            convs = [[user(p.question), assistant(t)] for t, p in zip(texts, problems)]
-            total += torch.tensor(reward_model_scores(rm[0], rm[1], convs))
+        if rm_scores is not None:
+            total += torch.tensor(rm_scores([[user(p.question), assistant(t)] for t, p in zip(texts, problems)]))
         return total
 
     return reward
@@ -245,6 +261,9 @@ def load_policy(cfg, init: str, resume: Path | None, model_cfg):
 
 
 def reference_logps(policy, ref, batch: Batch, temperature: float, size: int) -> torch.Tensor:
+    if isinstance(ref, remote.RemoteScorers):  # each rank's share is scored in the scorers' actor
+        lo, hi = row_share(len(batch.mask))
+        return gathered(ref.ref_logps(batch.rows(lo, hi), temperature, size).to(batch.mask.device), batch)
     if ref is not None:
         return score_all(ref, batch, temperature, size)
     with policy.disable_adapter():  # LoRA: the frozen base weights are the reference
@@ -290,9 +309,12 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     tok = load_tokenizer(init)
     device = ctx_device()
     policy = load_policy(cfg, init, resume, pcfg.model).to(device)
-    use_ref = spec.uses_reference(cfg)
+    use_ref = cfg.uses_reference()
+    scorers = remote.RemoteScorers(h) if (h := dist.scorer_actor()) is not None else None
     # With LoRA the reference is the policy with its adapters off (`reference_logps`): no second model.
-    ref = load_causal_lm(init, pcfg.model).to(device).eval().requires_grad_(False) if use_ref and not cfg.lora.enabled else None
+    ref = None
+    if "reference" in cfg.frozen_models():
+        ref = scorers if scorers is not None else load_causal_lm(init, pcfg.model).to(device).eval().requires_grad_(False)
     critic = None
     if spec.critic:
         from transformers import AutoModelForTokenClassification
@@ -325,7 +347,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     first = state["iteration"] + 1
 
     task = Task(pcfg.data)
-    reward = make_reward(cfg, ctx, task)
+    reward = make_reward(cfg, ctx, task, scorers)
     engine = make_engine(ctx, policy, tok, init, resume is not None, task)
     n_samples = cfg.samples_per_prompt()
     t_start = time.perf_counter()
@@ -471,7 +493,7 @@ def make_engine(ctx, policy, tok, init: str, resumed: bool, task: Task, local: b
     """The configured engine over `policy`; with `launch.ray.engine: own` (not `local`) the engine actor the
     Ray launcher started for this stage."""
     if not local and (handle := dist.engine_actor()) is not None:
-        return remote_engine.RemoteEngine(handle, policy)
+        return remote.RemoteEngine(handle, policy)
     if ctx.cfg.rollout.engine == "vllm":
         return SyncedVLLM(ctx, policy, tok, init, resumed, task.train[0])
     return HFEngine(policy, tok, ctx.cfg.rollout.batch_size)
@@ -487,6 +509,29 @@ def engine_host(cfg, ctx: StageContext):
     task = Task(ctx.cfg.data)
     return (make_engine(ctx, policy, tok, init, False, task, local=True), policy,
             lambda: autocast(ctx.cfg.model, ctx_device().type))
+
+
+class LocalScorers:
+    """The RL loop's frozen models in this process, as the scorers' actor of `launch.ray.scorers: own`
+    holds them (rlhf/pipeline/ray_launch.py): the reference policy and the reward model, each loaded as
+    the loop would load it, scoring under the trainer's mixed-precision context."""
+
+    def __init__(self, cfg, ctx: StageContext):
+        frozen = cfg.frozen_models()
+        init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
+        self.device = ctx_device()
+        self.ref = (load_causal_lm(init, ctx.cfg.model).to(self.device).eval().requires_grad_(False)
+                    if "reference" in frozen else None)
+        self.rm = load_reward_model(ctx) if "reward_model" in frozen else None
+        self.amp = lambda: autocast(ctx.cfg.model, self.device.type)
+
+    def ref_logps(self, batch: Batch, temperature: float, size: int) -> torch.Tensor:
+        with self.amp():
+            return score_all(self.ref, batch.to(self.device), temperature, size).cpu()
+
+    def rm_scores(self, conversations: list) -> list[float]:
+        with self.amp():
+            return reward_model_scores(*self.rm, conversations)
 
 
 def ctx_device() -> torch.device:
