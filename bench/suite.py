@@ -9,6 +9,7 @@ figure is a ratio from that one run (ours / peer, side by side on the same machi
   elo             Bradley-Terry fit + 1000 bootstrap rounds on 100k battles; DuckDB over 1M battle rows
   vllm_vs_hf      rollout tokens/s of the vLLM engine (own environment) vs transformers generate
   ray_launch      a 2-rank tiny SFT launched on a two-node local Ray cluster vs torchrun on this node
+  ray_rl_actors   tiny GRPO on Ray: rollout engine and frozen scorers in the rank vs in actors of their own
   orchestration   the tiny profile through `rlhf run` (Prefect flow, temporary API): wall time minus the
                   sum of the stages' own seconds (manifests), and that share of the wall time
   default_run     (--full, about 15 min) the default profile end to end: wall time, per-stage seconds
@@ -37,6 +38,7 @@ SCRIPTS = {
     "elo": ["bench/elo.py"],
     "vllm_vs_hf": ["bench/vllm_vs_hf.py"],
     "ray_launch": ["bench/ray_launch.py"],
+    "ray_rl_actors": ["bench/ray_launch.py", "--rl"],
 }
 
 
