@@ -131,11 +131,16 @@ def forward(model, batch: Batch, rows, temperature: float, values: bool = False)
 def score_all(model, batch: Batch, temperature: float, size: int, values: bool = False) -> torch.Tensor:
     """Log-probs (or values) of every row, [B, T]. With several ranks each scores a contiguous share of
     the rows and the shares are gathered, so every rank holds the whole batch's numbers."""
-    model.eval()
     lo, hi = row_share(len(batch.mask))
+    return gathered(score_rows(model, batch, lo, hi, temperature, size, values), batch)
+
+
+@torch.no_grad()
+def score_rows(model, batch: Batch, lo: int, hi: int, temperature: float, size: int, values: bool = False) -> torch.Tensor:
+    """Log-probs (or values) of rows [lo, hi), in forward passes of `size` rows: [hi - lo, T]."""
+    model.eval()
     chunks = [forward(model, batch, slice(i, min(i + size, hi)), temperature, values) for i in range(lo, hi, size)]
-    mine = torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
-    return gathered(mine, batch)
+    return torch.cat([c if values else c[0] for c in chunks]) if chunks else batch.mask[:0].clone()
 
 
 def row_share(rows: int) -> tuple[int, int]:
@@ -221,16 +226,10 @@ def load_reward_model(ctx: StageContext):
     return model.to(ctx_device()), load_tokenizer(path)
 
 
-def make_reward(cfg, ctx: StageContext, task: Task, scorers=None):
-    """Returns reward(problems, gens) -> [B] tensor, for the configured source. The reward model scores in
-    this process, or in the scorers' actor (`scorers`, launch.ray.scorers: own)."""
-    rm_scores = None
-    if cfg.reward_source in ("reward_model", "sum"):
-        if scorers is not None:
-            rm_scores = scorers.rm_scores
-        else:
-            model, tok = load_reward_model(ctx)
-            rm_scores = lambda convs: reward_model_scores(model, tok, convs)  # noqa: E731
+def make_reward(cfg, task: Task, scorers):
+    """Returns reward(problems, gens) -> [B] tensor, for the configured source; the reward model scores
+    through `scorers` (in this process, or in their own Ray actor)."""
+    rm_scores = scorers.rm_scores if "reward_model" in cfg.frozen_models() else None
     fn = import_reward_function(cfg.reward_function) if cfg.reward_source == "function" else None
 
     def reward(problems, gens) -> torch.Tensor:
@@ -260,12 +259,13 @@ def load_policy(cfg, init: str, resume: Path | None, model_cfg):
     return get_peft_model(base, peft_config(cfg))
 
 
-def reference_logps(policy, ref, batch: Batch, temperature: float, size: int) -> torch.Tensor:
-    if isinstance(ref, remote.RemoteScorers):  # each rank's share is scored in the scorers' actor
+def reference_logps(policy, scorers, batch: Batch, temperature: float, size: int) -> torch.Tensor:
+    """The reference's log-probs of every row: each rank scores its share through the scorers (in this
+    process, or in their actor) and the shares are gathered; with LoRA (no scorers) the policy with its
+    adapters off."""
+    if scorers is not None:
         lo, hi = row_share(len(batch.mask))
-        return gathered(ref.ref_logps(batch.rows(lo, hi), temperature, size).to(batch.mask.device), batch)
-    if ref is not None:
-        return score_all(ref, batch, temperature, size)
+        return gathered(scorers.ref_logps(batch.rows(lo, hi), temperature, size).to(batch.mask.device), batch)
     with policy.disable_adapter():  # LoRA: the frozen base weights are the reference
         return score_all(policy, batch, temperature, size)
 
@@ -310,11 +310,10 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     device = ctx_device()
     policy = load_policy(cfg, init, resume, pcfg.model).to(device)
     use_ref = cfg.uses_reference()
-    scorers = remote.RemoteScorers(h) if (h := dist.scorer_actor()) is not None else None
-    # With LoRA the reference is the policy with its adapters off (`reference_logps`): no second model.
-    ref = None
-    if "reference" in cfg.frozen_models():
-        ref = scorers if scorers is not None else load_causal_lm(init, pcfg.model).to(device).eval().requires_grad_(False)
+    # The frozen models (reference, reward model) in this process, or in their own Ray actor. With LoRA
+    # the reference is the policy with its adapters off (`reference_logps`): no second model.
+    scorers = remote.RemoteScorers(h) if (h := dist.scorer_actor()) is not None else LocalScorers(cfg, ctx, init)
+    ref = scorers if "reference" in cfg.frozen_models() else None
     critic = None
     if spec.critic:
         from transformers import AutoModelForTokenClassification
@@ -347,7 +346,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     first = state["iteration"] + 1
 
     task = Task(pcfg.data)
-    reward = make_reward(cfg, ctx, task, scorers)
+    reward = make_reward(cfg, task, scorers)
     engine = make_engine(ctx, policy, tok, init, resume is not None, task)
     n_samples = cfg.samples_per_prompt()
     t_start = time.perf_counter()
@@ -512,13 +511,15 @@ def engine_host(cfg, ctx: StageContext):
 
 
 class LocalScorers:
-    """The RL loop's frozen models in this process, as the scorers' actor of `launch.ray.scorers: own`
-    holds them (rlhf/pipeline/ray_launch.py): the reference policy and the reward model, each loaded as
-    the loop would load it, scoring under the trainer's mixed-precision context."""
+    """The RL loop's frozen models, `cfg.frozen_models()`: the reference policy (the loop's init model) and
+    the reward model, scoring under the trainer's mixed-precision context. Each rank holds one, or the
+    scorers' actor of `launch.ray.scorers: own` does (rlhf/pipeline/ray_launch.py) and the ranks reach it
+    through remote.RemoteScorers, which has the same two methods."""
 
-    def __init__(self, cfg, ctx: StageContext):
+    def __init__(self, cfg, ctx: StageContext, init: str | None = None):
         frozen = cfg.frozen_models()
-        init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
+        if init is None and "reference" in frozen:
+            init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
         self.device = ctx_device()
         self.ref = (load_causal_lm(init, ctx.cfg.model).to(self.device).eval().requires_grad_(False)
                     if "reference" in frozen else None)
@@ -526,8 +527,9 @@ class LocalScorers:
         self.amp = lambda: autocast(ctx.cfg.model, self.device.type)
 
     def ref_logps(self, batch: Batch, temperature: float, size: int) -> torch.Tensor:
+        """Every row of `batch` (a rank's share), on the CPU."""
         with self.amp():
-            return score_all(self.ref, batch.to(self.device), temperature, size).cpu()
+            return score_rows(self.ref, batch.to(self.device), 0, len(batch.mask), temperature, size).cpu()
 
     def rm_scores(self, conversations: list) -> list[float]:
         with self.amp():
