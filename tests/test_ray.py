@@ -114,6 +114,31 @@ def test_grpo_with_its_reference_and_reward_model_in_an_actor_on_another_node_eq
     assert max(kl) > 0  # the reference was used: its log-probs differ from the moving policy's
 
 
+def test_a_dead_engine_or_scorers_actor_is_named(ray_cluster):
+    import ray
+
+    from rlhf.train import remote
+
+    ray.init(address=ray_cluster, log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=0)
+        class Host:
+            def generate(self, *args):
+                return []
+
+            def pid(self) -> int:
+                return os.getpid()
+
+        host = Host.remote()
+        assert remote.call(host, "rollout engine", "generate", [], None, (0, 1)) == []
+        pid = ray.get(host.pid.remote())
+        os.kill(pid, signal.SIGKILL)  # as a lost node
+        with pytest.raises(remote.ActorLost, match=r"the RL loop's rollout engine actor died during generate: "):
+            remote.RemoteEngine.generate(type("E", (), {"handle": host})(), [], None)
+    finally:
+        ray.shutdown()
+
+
 @pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
 def test_grpo_with_its_rollout_engine_on_another_node_equals_one_process(ray_cluster, tmp_path):
     # The rank trains on one node, the engine's actor samples on the other from the weights rank 0 sends

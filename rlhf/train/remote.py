@@ -17,34 +17,43 @@ from __future__ import annotations
 from rlhf.core import dist
 
 
+class ActorLost(RuntimeError):
+    """The engine's or the scorers' actor died (its process killed, its node lost): the stage fails, and a
+    rerun resumes from the last complete checkpoint."""
+
+
+def call(handle, role: str, method: str, *args):
+    """`handle.method(*args)` on the actor, waited for; a dead actor fails with its role named."""
+    import ray
+
+    try:
+        return ray.get(getattr(handle, method).remote(*args))
+    except ray.exceptions.RayActorError as e:
+        raise ActorLost(f"the RL loop's {role} actor died during {method}: {str(e).splitlines()[0]}") from None
+
+
 class RemoteEngine:
     def __init__(self, handle, policy):
         self.handle = handle
         self.sync(policy)  # the actor starts from the init weights; a resumed policy differs from them
 
     def generate(self, prompts, params, shard=(0, 1), on_batch=None):
-        import ray
-
-        return ray.get(self.handle.generate.remote(prompts, params, shard))
+        return call(self.handle, "rollout engine", "generate", prompts, params, shard)
 
     def sync(self, policy) -> float | None:
         """Rank 0 sends the weights (all ranks hold the same after an update); every rank waits until they
         are in, so none samples the next iteration from the old ones. The engine's own check (vLLM's probe
         log-prob difference) comes back on rank 0."""
-        import ray
-
         diff = None
         if dist.is_main():
             state = {k: v.detach().to("cpu") for k, v in policy.state_dict().items()}
-            diff = ray.get(self.handle.sync.remote(state))
+            diff = call(self.handle, "rollout engine", "sync", state)
         dist.barrier()
         return diff
 
     def close(self) -> None:
-        import ray
-
         if dist.is_main():
-            ray.get(self.handle.close.remote())
+            call(self.handle, "rollout engine", "close")
 
 
 class RemoteScorers:
@@ -55,11 +64,7 @@ class RemoteScorers:
         self.handle = handle
 
     def ref_logps(self, batch, temperature: float, size: int):
-        import ray
-
-        return ray.get(self.handle.ref_logps.remote(batch, temperature, size))
+        return call(self.handle, "scorers", "ref_logps", batch, temperature, size)
 
     def rm_scores(self, conversations: list) -> list[float]:
-        import ray
-
-        return ray.get(self.handle.rm_scores.remote(conversations))
+        return call(self.handle, "scorers", "rm_scores", conversations)
