@@ -99,17 +99,21 @@ def test_grpo_on_two_ray_nodes_equals_one_process(ray_cluster, tmp_path):
                     "grpo.launch.ray.strategy=STRICT_SPREAD")
 
 
-@pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
-def test_grpo_with_its_reference_and_reward_model_in_an_actor_on_another_node_equals_one_process(ray_cluster, tmp_path):
+@pytest.mark.slow  # a Ray cluster (~5 s), rank and actors on 2 cores
+def test_grpo_with_its_engine_and_scorers_in_actors_of_their_own_equals_one_process(ray_cluster, tmp_path):
     # GRPO rewarded by a reward model (plus the verifier) with a k3 KL term against the reference: in one
-    # process, and with the rank on one node and both frozen models in the scorers' actor on the other.
+    # process, and with the rank on one node and two actors on the other (SPREAD, half a CPU each): the
+    # rollout engine, sampling from the weights rank 0 sends after every update, and the frozen scorers
+    # (reference and reward model). lr 1e-3 moves the policy each iteration, so an engine one update
+    # behind would draw other samples; a scorer that got other rows would give other rewards or KL.
     rm = [*only("reward_model"), "reward_model.init_from=base"]
     execute_stage(load_config(CONFIG, "tiny", [f"storage.url={tmp_path / 'one'}", *rm]), "reward_model")
     shutil.copytree(tmp_path / "one" / "tiny" / "reward_model", tmp_path / "two" / "tiny" / "reward_model")
     both = ("reward_model.enabled=true", "reward_model.init_from=base", "grpo.reward_source=sum",
             "grpo.reward_function=null", "grpo.beta=0.1")
     assert_rl_equal(tmp_path, "grpo", "grpo.gradient_accumulation_steps=2", "grpo.launch.backend=ray",
-                    "grpo.launch.ray.scorers=own", "grpo.launch.ray.strategy=STRICT_SPREAD", both=both)
+                    "grpo.launch.ray.engine=own", "grpo.launch.ray.engine_cpus=0.5", "grpo.launch.ray.scorers=own",
+                    "grpo.launch.ray.scorer_cpus=0.5", "grpo.launch.ray.strategy=SPREAD", both=both)
     kl = [v for (step, name), v in rl_metrics(str(tmp_path / "two"), "grpo").items() if name == "kl"]
     assert max(kl) > 0  # the reference was used: its log-probs differ from the moving policy's
 
@@ -137,15 +141,6 @@ def test_a_dead_engine_or_scorers_actor_is_named(ray_cluster):
             remote.RemoteEngine.generate(type("E", (), {"handle": host})(), [], None)
     finally:
         ray.shutdown()
-
-
-@pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
-def test_grpo_with_its_rollout_engine_on_another_node_equals_one_process(ray_cluster, tmp_path):
-    # The rank trains on one node, the engine's actor samples on the other from the weights rank 0 sends
-    # after every update. lr 1e-3 moves the policy each iteration, so an engine one update behind would
-    # draw other samples and the rewards, losses and weights would differ.
-    assert_rl_equal(tmp_path, "grpo", "grpo.gradient_accumulation_steps=2", "grpo.launch.backend=ray",
-                    "grpo.launch.ray.engine=own", "grpo.launch.ray.strategy=STRICT_SPREAD")
 
 
 @pytest.mark.slow  # a Ray cluster (~5 s) and rank actors on 2 cores
