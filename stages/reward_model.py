@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from datasets import Dataset
 from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
@@ -55,6 +57,10 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         train_rows, eval_rows = split(rows, cfg.eval_fraction, pcfg.run.seed)
     init = fetch_model(ctx, "sft") if cfg.init_from == "sft" else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)
+    # The scalar head is new and randomly initialised, before the Trainer seeds anything: seed it here, or
+    # it depends on what ran earlier in this process (in `rlhf run` every stage shares one process), and
+    # the same content key would give another reward model in a fresh worker or after a resume.
+    torch.manual_seed(pcfg.run.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
         init, num_labels=1, dtype=torch_dtype(weights_dtype(pcfg.model, not cfg.lora.enabled)), attn_implementation=pcfg.model.attn_implementation
     )

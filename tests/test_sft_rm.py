@@ -69,6 +69,26 @@ def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
     assert m["metrics"]["reward_model/eval_margin"] > 0
 
 
+def test_the_reward_model_does_not_depend_on_what_ran_before_it_in_the_process(tmp_path):
+    # In `rlhf run` every stage shares one process: the new scalar head must not take its initial weights
+    # from whatever RNG state earlier stages left (the same key must give the same model in a fresh worker).
+    import torch
+    from conftest import CONFIG
+    from rlhf.core.loader import load_config
+
+    prefs = separable_pairs(tmp_path / "prefs.jsonl", 16)
+    models = []
+    for name, draws in (("fresh", 0), ("after", 1000)):
+        torch.rand(draws)  # what an earlier stage would consume
+        cfg = load_config(CONFIG, "tiny", [f"storage.url={tmp_path / name}", f"data.prefs_path={prefs}", *only("reward_model"),
+                                           "reward_model.init_from=base", "reward_model.max_steps=2", "reward_model.eval_fraction=0.25"])
+        execute_stage(cfg, "reward_model")
+        models.append(load_file(str(tmp_path / name / "tiny" / "reward_model" / "model" / "model.safetensors")))
+    assert models[0].keys() == models[1].keys()
+    for k in models[0]:
+        assert torch.equal(models[0][k], models[1][k]), k
+
+
 def test_crash_after_checkpoint_resumes_from_it(tiny_cfg, tmp_path, monkeypatch):
     common = (*only("sft"), "sft.max_steps=8", "sft.save_steps=4", "sft.eval_prompts=0")
     cfg = tiny_cfg(*common)
