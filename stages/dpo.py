@@ -18,12 +18,12 @@ from trl import DPOTrainer
 
 from rlhf.core.config import DPOConfig
 from rlhf.engines.logprobs import CompletionOnlyScoring
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.dpo_rounds import finish_round, finished_rounds, read_round_metrics, round_data, round_metrics, round_model_dir
 from rlhf.train.refcache import REF_LOGPS_SCHEMA
-from rlhf.train.training import TrainerRun, fetch_model, trainer_kwargs
+from rlhf.train.training import TrainerRun, start_model, trainer_kwargs
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -54,7 +54,7 @@ def with_reference(rows: list[dict], ref_rows: list[dict]) -> tuple[list[dict], 
 
 def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    init = fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model)
+    init = start_model(ctx)
     tokenizer = load_tokenizer(init)
     done = finished_rounds(ctx, cfg.rounds)  # > 0 only when a multi-round run resumes
     start = round_model_dir(ctx, done[-1]["round"]) if done else init

@@ -30,10 +30,10 @@ from trl import KTOTrainer
 
 from rlhf.core.config import KTOConfig
 from rlhf.engines.logprobs import CompletionOnlyScoring, completion_only_scoring, tokenize_pair
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import onpolicy_pairs, unpaired_examples
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.train.training import TrainerRun, fetch_model, trainer_kwargs
+from rlhf.train.training import TrainerRun, start_model, trainer_kwargs
 from rlhf.train.refcache import TABLE, read_entry, reference_key, screen, write_entry
 
 KTO_REF_SCHEMA = pa.schema(
@@ -107,7 +107,7 @@ def to_table(dataset: Dataset) -> pa.Table:
 def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
     rows, dropped = unpaired_examples(pcfg.data, ctx.log, onpolicy_pairs(ctx) if "preferences" in ctx.inputs else None)
-    init = Path(fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model))
+    init = Path(start_model(ctx))
     tokenizer = load_tokenizer(str(init))
     rows, problems = screen_examples(tokenizer, rows, cfg.max_length, pcfg.data.on_bad_row, ctx.log)
 

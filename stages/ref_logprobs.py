@@ -20,11 +20,11 @@ from rlhf.core.config import RefLogprobsConfig
 from rlhf.engines import logprobs
 from rlhf.train import refcache
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, read_entry, ref_table, reference_key, screen, write_entry
-from rlhf.train.training import fetch_model
+from rlhf.train.training import start_model
 
 
 def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
@@ -35,7 +35,7 @@ def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: 
 def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
     rows, dropped_rows = stage_pairs(ctx)
-    model_dir = Path(fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(pcfg.model))
+    model_dir = Path(start_model(ctx))
     tokenizer = load_tokenizer(str(model_dir))
     pairs, problems = screen([tokenize_pair(tokenizer, r) for r in rows], cfg.max_length, pcfg.data.on_bad_row, ctx.log)
 

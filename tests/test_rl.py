@@ -169,6 +169,27 @@ def test_lora_policy_uses_its_base_as_reference_and_resumes(tiny_cfg, monkeypatc
     assert not (merged[name] == base[name]).all()  # the adapters were merged into the weights
 
 
+def test_lora_policy_does_not_depend_on_what_ran_before_it_in_the_process(tiny_cfg, tmp_path):
+    # peft draws the LoRA A matrices at random when the loop wraps the policy. In `rlhf run` every stage
+    # shares one process: the runner seeds each stage with run.seed, so RNG use before it (an earlier
+    # stage) cannot change the adapters, and the same key gives the same model in a fresh worker.
+    import torch
+    from safetensors.torch import load as load_bytes
+
+    models = []
+    for name, draws in (("fresh", 0), ("after", 1000)):
+        torch.rand(draws)
+        cfg = rl_cfg(tiny_cfg, "grpo", "grpo.lora.enabled=true", "grpo.iterations=1", "grpo.prompts_per_iteration=2",
+                     "grpo.minibatch_size=8", f"storage.url={tmp_path / name}")
+        execute_stage(cfg, "grpo")
+        store = ArtifactStore(cfg.storage)
+        with store.fs.open(store.stage_path(cfg.run.name, "grpo", "model", "model.safetensors"), "rb") as f:
+            models.append(load_bytes(f.read()))
+    assert models[0].keys() == models[1].keys()
+    for k in models[0]:
+        assert torch.equal(models[0][k], models[1][k]), k
+
+
 def test_gradient_accumulation_gives_the_same_gradient():
     """A minibatch of 8 rollouts of different lengths as 1 or 4 micro-batches: the same accumulated
     gradient (each micro-batch's token-mean loss weighted by its share of the minibatch's tokens)."""

@@ -27,7 +27,7 @@ from rlhf.core.models import resolve_model
 from rlhf.core import tracking
 from rlhf.core.dist import NODE_ENV
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.pipeline.rank import LaunchError, importable_path, launch_spec, rank_main
+from rlhf.pipeline.rank import LaunchError, importable_path, launch_spec, rank_main, seeded_run
 
 
 def check_launch(stage: str, launch: LaunchConfig) -> None:
@@ -46,7 +46,7 @@ def check_launch(stage: str, launch: LaunchConfig) -> None:
 def run_stage(module, stage_cfg, ctx: StageContext) -> StageResult:
     launch: LaunchConfig | None = getattr(stage_cfg, "launch", None)
     if launch is None or (launch.processes == 1 and launch.backend == "torchrun"):
-        return module.run(stage_cfg, ctx)
+        return seeded_run(module, stage_cfg, ctx)
     spec = launch_spec(ctx.cfg, ctx.stage, ctx.key, ctx.inputs)
     if launch.backend == "ray":  # the cluster's nodes check their own devices
         from rlhf.pipeline.ray_launch import run_on_ray

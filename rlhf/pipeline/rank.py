@@ -33,6 +33,17 @@ def importable_path() -> str:
     return os.pathsep.join([*filter(None, [os.environ.get("PYTHONPATH")]), *(p for p in sys.path if p and Path(p).is_dir())])
 
 
+def seeded_run(module, stage_cfg, ctx: StageContext):
+    """The stage's `run()` after seeding Python, NumPy and torch with `run.seed` (transformers' set_seed).
+    In `rlhf run` every stage shares one process: whatever a stage draws at random before anything seeds
+    it (the RL loop's LoRA matrices from peft; TRL's trainers seed themselves first) would otherwise depend
+    on the stages that ran before it, and the same content key could give another model in a fresh worker."""
+    from transformers import set_seed
+
+    set_seed(ctx.cfg.run.seed)
+    return module.run(stage_cfg, ctx)
+
+
 def rank_context(spec: dict) -> StageContext:
     """Config, store and stage context rebuilt from a launch spec (a rank's, or the Ray engine actor's)."""
     cfg = PipelineConfig.model_validate(spec["config"])
@@ -61,7 +72,7 @@ def rank_main(spec: dict) -> dict | None:
     cfg, stage = ctx.cfg, ctx.stage
     # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
     with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir, cfg.run.name, stage, spec["key"]):
-        result = importlib.import_module(SPECS[stage].module).run(cfg.stage(stage), ctx)
+        result = seeded_run(importlib.import_module(SPECS[stage].module), cfg.stage(stage), ctx)
     dist.barrier()
     dist.destroy_process_group()
     return asdict(result) if rank == 0 else None

@@ -32,7 +32,7 @@ from rlhf.maths import rl_math
 from rlhf.engines.engine import Engine, HFEngine, SamplingParams, chat_ids
 from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import last_logits_only, sequence_logps
-from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
+from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
 from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
@@ -45,6 +45,7 @@ from rlhf.train.training import (
     latest_checkpoint,
     peft_config,
     publish_model,
+    start_model,
     store_checkpoint,
     write_metrics,
 )
@@ -246,11 +247,6 @@ def make_reward(cfg, task: Task, scorers):
     return reward
 
 
-def policy_init(ctx: StageContext) -> str:
-    """The model the RL loop starts from, which is also its reference: SFT's when it ran, else the base."""
-    return fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
-
-
 def load_policy(cfg, init: str, resume: Path | None, model_cfg):
     """The trained policy: full weights, or (lora.enabled) the init model with LoRA adapters (Hu et al.
     2021); a resume loads the checkpoint's weights or adapters."""
@@ -308,7 +304,7 @@ def guard(algo: str, it: int, name: str, value: float, limit: float | None = Non
 # ---- the loop ---------------------------------------------------------------------------------------
 def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     spec, pcfg, roll = ALGORITHMS[algo], ctx.cfg, ctx.cfg.rollout
-    init = policy_init(ctx)
+    init = start_model(ctx)
     found = latest_checkpoint(ctx)
     resume = found[1] if found else None
     tok = load_tokenizer(init)
@@ -507,7 +503,7 @@ def engine_host(cfg, ctx: StageContext):
     """What the engine actor of `launch.ray.engine: own` runs (rlhf/pipeline/ray_launch.py): a copy of the
     policy as the RL loop builds it and the configured engine over it. Returns (engine, policy copy, the
     mixed-precision context); the trainer's weights arrive by sync before the first sample."""
-    init = policy_init(ctx)
+    init = start_model(ctx)
     tok = load_tokenizer(init)
     policy = load_policy(cfg, init, None, ctx.cfg.model).to(ctx_device()).eval().requires_grad_(False)
     task = Task(ctx.cfg.data)
@@ -524,7 +520,7 @@ class LocalScorers:
     def __init__(self, cfg, ctx: StageContext, init: str | None = None):
         frozen = cfg.frozen_models()
         if init is None and "reference" in frozen:
-            init = policy_init(ctx)
+            init = start_model(ctx)
         self.device = ctx_device()
         self.ref = (load_causal_lm(init, ctx.cfg.model).to(self.device).eval().requires_grad_(False)
                     if "reference" in frozen else None)

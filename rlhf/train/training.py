@@ -26,6 +26,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from rlhf.core import dist, progress, tracking
 from rlhf.core.config import LaunchConfig, TrainerOptions
+from rlhf.core.models import resolve_model
 from rlhf.core.store import CHECKPOINTS, COMPLETE
 
 # Long format so DuckDB can pivot any metric: one row per (step, metric).
@@ -255,6 +256,12 @@ def fetch_model(ctx, stage: str, output: str = "model") -> str:
         ctx.store.get_dir(ctx.input_path(stage, output), local)
     dist.barrier()
     return str(local)
+
+
+def start_model(ctx) -> str:
+    """The model a policy-training stage starts from (and, for DPO, KTO and RL, its reference): SFT's
+    when the sft stage ran, else the configured base model."""
+    return fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
 
 
 def write_metrics(ctx, table: pa.Table, name: str = "metrics.parquet") -> str:
