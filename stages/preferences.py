@@ -10,7 +10,11 @@ reward function `module:function` (TRL's signature), or a sequence-classificatio
 
 Outputs (Parquet, rlhf.data.pairs.PAIRS_SCHEMA: TRL's conversational preference format plus provenance):
 `pairs.parquet` from training prompts, `eval_pairs.parquet` from held-out prompts (the reward model's
-held-out accuracy); `samples.parquet` with every judged answer.
+held-out accuracy); `samples.parquet` with every judged answer. With `contrast_samples` N > 0 the base
+model also answers each training prompt N times, and `contrast_pairs.parquet` pairs the policy's better
+answers against them, for the reward model only: a reward model trained on the SFT policy's answers
+alone has never seen a base-model answer and may rate one highest (InstructGPT's comparisons also mix
+outputs of several models, Ouyang et al. 2022, sec. 3.5).
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.pairs import PAIRS_SCHEMA
 from rlhf.data.tasks import Task
 from rlhf.engines.engine import HFEngine
-from rlhf.train.onpolicy import make_judge, pair_rows, sample_and_judge
+from rlhf.train.onpolicy import contrast_rows, make_judge, pair_rows, sample_and_judge
 from rlhf.train.training import fetch_model
 
 SAMPLES_SCHEMA = pa.schema([
-    pa.field("split", pa.string(), nullable=False),  # train | eval
+    pa.field("split", pa.string(), nullable=False),  # train | eval | contrast (the base model's, train prompts)
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("sample_index", pa.int64(), nullable=False),
     pa.field("response", pa.string()),
@@ -47,36 +51,62 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
     policy_key = ctx.inputs["sft"]["key"] if cfg.policy == "sft" else ""
     judge, judge_name = make_judge(cfg, task, ctx.cfg.model.dtype)
     splits = {"train": task.train[: cfg.prompts], "eval": task.eval[: cfg.eval_prompts]}
-    total = sum(len(p) for p in splits.values()) * cfg.samples_per_prompt
+    total = (sum(len(p) for p in splits.values()) * cfg.samples_per_prompt
+             + len(splits["train"]) * cfg.contrast_samples)
     engine = HFEngine(load_causal_lm(path, ctx.cfg.model), load_tokenizer(path), cfg.batch_size)
     t0, done_before = time.perf_counter(), [0]
 
-    outputs, rows_out, metrics, samples = {}, {}, {}, []
-    for split, problems in splits.items():
+    def sample(engine, problems, n):
         def log_progress(done: int, _total: int) -> None:
-            n = done_before[0] + done
-            ctx.log.info("preferences: %d/%d samples, %.1f samples/s", n, total, n / (time.perf_counter() - t0))
-            progress.report(ctx.stage, n, total)
+            k = done_before[0] + done
+            ctx.log.info("preferences: %d/%d samples, %.1f samples/s", k, total, k / (time.perf_counter() - t0))
+            progress.report(ctx.stage, k, total)
 
         with torch.inference_mode():
-            grouped = sample_and_judge(engine, problems, cfg, judge, log_progress) if problems else []
-        done_before[0] += len(problems) * cfg.samples_per_prompt
-        rows, ties = pair_rows(problems, grouped, cfg, judge_name, cfg.policy, policy_key)
-        name = "pairs" if split == "train" else "eval_pairs"
-        ctx.store.write_table(ctx.path(f"{name}.parquet"), pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA), PAIRS_SCHEMA)
-        outputs[name], rows_out[name], rows_out[f"{name}_ties"] = f"{name}.parquet", len(rows), ties
-        samples += [{"split": split, "prompt_id": p.id, "sample_index": g.sample_index, "response": g.text,
-                     "response_tokens": len(g.token_ids), "finish_reason": g.finish_reason, "score": float(s)}
-                    for p, group in zip(problems, grouped) for g, s in group]
+            grouped = sample_and_judge(engine, problems, cfg, judge, log_progress, n) if problems else []
+        done_before[0] += len(problems) * n
+        return grouped
+
+    def keep_samples(split, problems, grouped):
+        samples.extend({"split": split, "prompt_id": p.id, "sample_index": g.sample_index, "response": g.text,
+                        "response_tokens": len(g.token_ids), "finish_reason": g.finish_reason, "score": float(s)}
+                       for p, group in zip(problems, grouped) for g, s in group)
         scores = [s for group in grouped for _, s in group]
         if scores:
             metrics[f"preferences/{split}_score_mean"] = sum(scores) / len(scores)
+
+    def write_pairs(name, rows):
+        ctx.store.write_table(ctx.path(f"{name}.parquet"), pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA), PAIRS_SCHEMA)
+        outputs[name], rows_out[name] = f"{name}.parquet", len(rows)
+
+    outputs, rows_out, metrics, samples, train_grouped = {}, {}, {}, [], []
+    for split, problems in splits.items():
+        grouped = sample(engine, problems, cfg.samples_per_prompt)
+        rows, ties = pair_rows(problems, grouped, cfg, judge_name, cfg.policy, policy_key)
+        name = "pairs" if split == "train" else "eval_pairs"
+        write_pairs(name, rows)
+        rows_out[f"{name}_ties"] = ties
+        keep_samples(split, problems, grouped)
+        if grouped:
             metrics[f"preferences/{split}_tie_fraction"] = ties / max(len(problems), 1) if cfg.pairing == "best_worst" else (
                 ties / max(ties + len(rows), 1))
+        train_grouped = grouped if split == "train" else train_grouped
     if not rows_out["pairs"]:
         raise ValueError(f"preferences: every one of the {len(splits['train'])} training prompts was a tie "
                          f"({cfg.samples_per_prompt} answers each scored the same): no pairs; raise "
                          "preferences.samples_per_prompt or temperature")
+    if cfg.contrast_samples:
+        del engine  # one model in memory at a time
+        base = resolve_model(ctx.cfg.model)
+        base_grouped = sample(HFEngine(load_causal_lm(base, ctx.cfg.model), load_tokenizer(base), cfg.batch_size),
+                              splits["train"], cfg.contrast_samples)
+        rows, rows_out["contrast_pairs_unpaired"] = contrast_rows(splits["train"], train_grouped, base_grouped, cfg,
+                                                                  judge_name, policy_key)
+        write_pairs("contrast_pairs", rows)
+        keep_samples("contrast", splits["train"], base_grouped)
+        metrics["preferences/contrast_pairs"] = float(len(rows))
+        ctx.log.info("preferences: %d contrast pairs (policy vs base) from %d base answers, %d unpaired", len(rows),
+                     len(splits["train"]) * cfg.contrast_samples, rows_out["contrast_pairs_unpaired"])
     ctx.store.write_table(ctx.path("samples.parquet"), pa.Table.from_pylist(samples, schema=SAMPLES_SCHEMA), SAMPLES_SCHEMA)
     outputs["samples"] = "samples.parquet"
     seconds = time.perf_counter() - t0

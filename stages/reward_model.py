@@ -47,7 +47,7 @@ def split(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict]
 
 def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped = stage_pairs(ctx, keep_margin=cfg.use_margin)
+    rows, dropped = stage_pairs(ctx, keep_margin=cfg.use_margin, contrast=True)  # with policy-vs-base pairs
     rows = [{k: v for k, v in r.items() if k != "pair_id"} for r in rows]
     held_out_pairs = [{k: v for k, v in r.items() if k != "pair_id"} for r in onpolicy_pairs(ctx, "eval_pairs")] if (
         "preferences" in ctx.inputs) else []

@@ -31,12 +31,17 @@ pytestmark = pytest.mark.slow  # about 9 minutes: two heartbeat windows and 14 s
 OVERRIDES = ["sft.max_steps=16", "sft.save_steps=4", "grpo.iterations=6", "grpo.save_every=2"]
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what: str, run: subprocess.Popen | None = None):
+    """Poll until predicate() holds. With `run`, a run that ends first fails at once with its output; the
+    deadline is then only a guard against a hang: on 2 shared cores the six stage runs before GRPO's first
+    checkpoint have taken from 5 to over 10 minutes, so a tight wall-clock bound made this test flaky."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
+        if run is not None and run.poll() is not None:
+            raise AssertionError(f"the run ended (exit {run.returncode}) before {what}:\n{run.stdout.read()[-3000:]}")
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
@@ -95,7 +100,7 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
 
         # 1. Kill during SFT, after its first checkpoint: the run fails, SFT is not complete.
         first = subprocess.Popen(deployment_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-        wait_for(lambda: complete_checkpoint(store, "sft"), 300, "an SFT checkpoint")
+        wait_for(lambda: complete_checkpoint(store, "sft"), 1200, "an SFT checkpoint", first)
         kill_gpu_worker(state)
         out, _ = first.communicate(timeout=300)  # the heartbeat automation crashes the lost stage run
         assert first.returncode != 0 and "Failed" in out, out[-3000:]
@@ -107,7 +112,7 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
         assert up().returncode == 0
         second = subprocess.Popen(deployment_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   cwd=REPO)
-        wait_for(lambda: complete_checkpoint(store, "grpo"), 600, "a GRPO checkpoint")
+        wait_for(lambda: complete_checkpoint(store, "grpo"), 1800, "a GRPO checkpoint", second)
         kill_gpu_worker(state)
         out, _ = second.communicate(timeout=300)
         assert second.returncode != 0 and "Failed" in out, out[-3000:]
@@ -125,7 +130,7 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
         retry = subprocess.run([PREFECT, "flow-run", "retry", run_id], capture_output=True, text=True, cwd=REPO)
         assert retry.returncode == 0, retry.stdout + retry.stderr
         assert wait_for(lambda: flow_run_state(run_id) in ("COMPLETED", "FAILED", "CRASHED") and flow_run_state(run_id),
-                        600, "the retried run") == "COMPLETED", gpu_log()[-3000:]
+                        1800, "the retried run") == "COMPLETED", gpu_log()[-3000:]
         assert store.require_manifest("tiny", "grpo")["resumed_from_step"] in (2, 4)
         assert all(f"{s}: skipped, complete with key {k[:12]}" in gpu_log() for s, k in done.items())
         keys = {s: store.require_manifest("tiny", s)["key"] for s in STAGES}  # every stage complete, in S3

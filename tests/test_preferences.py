@@ -8,7 +8,7 @@ import pytest
 
 from conftest import only
 from rlhf.core.loader import ConfigError
-from rlhf.data.pairs import PAIRS_SCHEMA, build_pairs
+from rlhf.data.pairs import PAIRS_SCHEMA, build_pairs, contrast_pairs
 from rlhf.pipeline.preflight import predicted_keys
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
@@ -27,6 +27,14 @@ def test_build_pairs_by_hand():
     assert build_pairs([0.2, 0.9], "best_worst") == ([(1, 0)], 0)
     with pytest.raises(ValueError, match="unknown mode"):
         build_pairs([0.0, 1.0], "best_of_n")
+
+
+def test_contrast_pairs_by_hand():
+    # policy best-first 1, 2, 3, 0; base 0 (score 0) vs policy 1 pairs; base 1 (score 1) ties policy 2:
+    # unpaired, policy 2 stays free; base 2 (0.2) vs policy 2 pairs
+    assert contrast_pairs([0.0, 1.0, 1.0, 0.5], [0.0, 1.0, 0.2]) == ([(1, 0), (2, 2)], 1)
+    assert contrast_pairs([0.0, 0.0], [0.0, 0.0]) == ([], 2)  # the policy never beats the base model
+    assert contrast_pairs([1.0], [0.0, 0.0]) == ([(0, 0)], 1)  # one policy answer is used once
 
 
 def test_accuracy_by_length_by_hand():
@@ -64,6 +72,38 @@ def test_stage_writes_judged_pairs_that_downstream_stages_train_on(tiny_cfg):
     assert dpo["rows"]["train_pairs"] == len(rows)
 
 
+def test_contrast_pairs_train_the_reward_model_only(tiny_cfg):
+    """With contrast_samples 2 the base model answers every training prompt twice; each base answer the
+    judge scores below one of the policy's becomes a contrast pair (chosen: that policy answer), which the
+    reward model trains on besides the on-policy pairs, and DPO does not."""
+    import pyarrow.parquet as pq
+
+    cfg = tiny_cfg(*only(*PAIR_STAGES), "preferences.contrast_samples=2")
+    execute_stage(cfg, "sft")
+    prefs = execute_stage(cfg, "preferences")
+    store = ArtifactStore(cfg.storage)
+    path = lambda name: store.stage_path(cfg.run.name, "preferences", name)  # noqa: E731
+    contrast = store.read_table(path("contrast_pairs.parquet"), PAIRS_SCHEMA).to_pylist()
+    with store.fs.open(path("samples.parquet"), "rb") as f:
+        samples = pq.read_table(f).to_pylist()
+    by_split = {(s["split"], s["prompt_id"], s["sample_index"]): s for s in samples}
+    n_train = cfg.data.train_size
+    assert prefs["rows"]["samples"] == len(samples) == (
+        (n_train + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt + 2 * n_train)
+    assert len(contrast) == prefs["rows"]["contrast_pairs"] > 0
+    assert len(contrast) + prefs["rows"]["contrast_pairs_unpaired"] == 2 * n_train
+    for r in contrast:
+        chosen = by_split["train", r["prompt_id"], r["chosen_index"]]
+        rejected = by_split["contrast", r["prompt_id"], r["rejected_index"]]  # the base model's answer
+        assert (r["chosen"][0]["content"], r["rejected"][0]["content"]) == (chosen["response"], rejected["response"])
+        assert r["chosen_score"] == chosen["score"] > r["rejected_score"] == rejected["score"]
+        assert r["pair_id"] == f"{r['prompt_id']}:{r['chosen_index']}:base{r['rejected_index']}" and r["policy"] == "sft+base"
+    rm = execute_stage(cfg, "reward_model")
+    assert rm["rows"]["train_pairs"] == prefs["rows"]["pairs"] + len(contrast)
+    execute_stage(cfg, "ref_logprobs")
+    assert execute_stage(cfg, "dpo")["rows"]["train_pairs"] == prefs["rows"]["pairs"]
+
+
 def test_pairs_key_follows_the_sft_key_and_reaches_downstream(tiny_cfg):
     base = predicted_keys(tiny_cfg(*only(*PAIR_STAGES)))
     other_sft = predicted_keys(tiny_cfg(*only(*PAIR_STAGES), "sft.learning_rate=2e-3"))
@@ -71,6 +111,8 @@ def test_pairs_key_follows_the_sft_key_and_reaches_downstream(tiny_cfg):
     assert all(other_sft[s] != base[s] for s in PAIR_STAGES)
     assert other_judge["sft"] == base["sft"]
     assert all(other_judge[s] != base[s] for s in ("preferences", "reward_model", "ref_logprobs", "dpo"))
+    contrast = predicted_keys(tiny_cfg(*only(*PAIR_STAGES), "preferences.contrast_samples=1"))
+    assert contrast["sft"] == base["sft"] and all(contrast[s] != base[s] for s in ("preferences", "reward_model"))
     # without the stage, the pair-trained stages read the task's pairs: keys without a preferences input
     off = predicted_keys(tiny_cfg(*only("sft", "reward_model", "ref_logprobs", "dpo")))
     assert "preferences" not in off and off["reward_model"] != base["reward_model"]
@@ -83,6 +125,8 @@ def test_pairs_key_follows_the_sft_key_and_reaches_downstream(tiny_cfg):
     (["preferences.reward_model_path=/tmp/rm"], "reward_model_path: set it exactly when judge is 'reward_model'"),
     (["preferences.eval_prompts=100"], "preferences.eval_prompts: at most data.eval_size"),
     (["preferences.samples_per_prompt=1"], "preferences.samples_per_prompt"),
+    (["preferences.policy=base", "preferences.contrast_samples=1"], "contrast_samples: contrasts the SFT policy"),
+    (["preferences.contrast_samples=-1"], "preferences.contrast_samples"),
 ])
 def test_bad_preferences_config_names_the_key(tiny_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -467,6 +467,11 @@ class PreferencesConfig(Placement):
     # all_pairs: at most this many pairs per prompt (the first in sample order; None: every pair). More
     # distinct wrong answers per prompt teach the reward model more than one best-vs-worst pair does.
     max_pairs_per_prompt: int | None = Field(None, ge=1)
+    # Base-model answers per training prompt (0: none). Each one the judge scores below one of the
+    # policy's answers to the same prompt becomes a pair in contrast_pairs.parquet, which only the reward
+    # model trains on: without them it never sees the base model's verbose answers, and its judge can
+    # rate base above SFT (docs/benchmarks.md). Base answers are sampled as the policy's are.
+    contrast_samples: int = Field(0, ge=0, le=64)
 
     @model_validator(mode="after")
     def _judge(self) -> PreferencesConfig:
@@ -476,6 +481,9 @@ class PreferencesConfig(Placement):
             raise ValueError("reward_model_path: set it exactly when judge is 'reward_model'")
         if self.max_pairs_per_prompt is not None and self.pairing != "all_pairs":
             raise ValueError("max_pairs_per_prompt: caps pairing 'all_pairs' (best_worst gives one pair per prompt)")
+        if self.contrast_samples and self.policy == "base":
+            raise ValueError("contrast_samples: contrasts the SFT policy's answers with the base model's; "
+                             "policy is already 'base'")
         return self
 
 

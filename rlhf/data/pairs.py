@@ -30,7 +30,9 @@ PAIRS_SCHEMA = pa.schema([
     pa.field("chosen_score", pa.float64()),  # the judge's scores
     pa.field("rejected_score", pa.float64()),
     pa.field("judge", pa.string()),  # verifier | function:<module:function> | reward_model:<path>
-    pa.field("policy", pa.string()),  # whose samples: base | sft | dpo-round-<r> (DPO's later rounds)
+    # whose samples: base | sft | dpo-round-<r> (DPO's later rounds) | sft+base (contrast pairs: the chosen
+    # index is among the policy's answers, the rejected index among the base model's)
+    pa.field("policy", pa.string()),
     pa.field("policy_key", pa.string()),  # that policy's content key ("" for base)
     pa.field("temperature", pa.float64()),
     pa.field("top_p", pa.float64()),
@@ -63,6 +65,24 @@ def build_pairs(scores: list[float], mode: str = "best_worst") -> tuple[list[tup
     raise ValueError(f"pairing: unknown mode {mode!r}")
 
 
+def contrast_pairs(policy_scores: list[float], base_scores: list[float]) -> tuple[list[tuple[int, int]], int]:
+    """(policy index, base index) pairs from one prompt: each base answer, in order, against the policy's
+    best answer not yet used, when that one scores strictly higher; else the base answer is unpaired
+    (counted) and no policy answer is used up.
+    Hand-worked, policy [0, 1, 1, 0.5], base [0, 1, 0.2]: policy best-first 1, 2, 3, 0; base 0 vs
+    policy 1 (1 > 0) pairs; base 1 vs policy 2 (1 = 1) is unpaired; base 2 vs policy 2 (1 > 0.2) pairs
+    -> [(1, 0), (2, 2)], 1 unpaired."""
+    order = sorted(range(len(policy_scores)), key=lambda i: (-policy_scores[i], i))
+    pairs, unpaired, k = [], 0, 0
+    for b, score in enumerate(base_scores):
+        if k < len(order) and policy_scores[order[k]] > score:
+            pairs.append((order[k], b))
+            k += 1
+        else:
+            unpaired += 1
+    return pairs, unpaired
+
+
 def training_rows(pairs: list[dict]) -> list[dict]:
     """PAIRS_SCHEMA rows as training rows: the conversation parts and pair_id, without provenance."""
     return [{k: r[k] for k in ("prompt", "chosen", "rejected", "pair_id")} for r in pairs]
@@ -73,11 +93,14 @@ def onpolicy_pairs(ctx, output: str = "pairs") -> list[dict]:
     return training_rows(ctx.store.read_table(ctx.input_path("preferences", output), PAIRS_SCHEMA).to_pylist())
 
 
-def stage_pairs(ctx, keep_margin: bool = False) -> tuple[list[dict], int]:
-    """The pairs a stage trains on: on-policy pairs when the preferences stage is its input, else
-    `preference_pairs` (a user file or the task's synthetic pairs)."""
+def stage_pairs(ctx, keep_margin: bool = False, contrast: bool = False) -> tuple[list[dict], int]:
+    """The pairs a stage trains on: on-policy pairs when the preferences stage is its input (with
+    `contrast`, also its policy-vs-base contrast pairs when it wrote them), else `preference_pairs` (a
+    user file or the task's synthetic pairs)."""
     if "preferences" in ctx.inputs:
-        return onpolicy_pairs(ctx), 0
+        extra = onpolicy_pairs(ctx, "contrast_pairs") if (
+            contrast and "contrast_pairs" in ctx.inputs["preferences"]["outputs"]) else []
+        return onpolicy_pairs(ctx) + extra, 0
     return preference_pairs(ctx.cfg.data, ctx.log, keep_margin)
 
 
