@@ -9,6 +9,7 @@ import pytest
 from conftest import only
 from rlhf.core.loader import ConfigError
 from rlhf.data.pairs import PAIRS_SCHEMA, build_pairs, contrast_pairs
+from rlhf.core.registry import SPECS
 from rlhf.pipeline.preflight import predicted_keys
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
@@ -53,7 +54,8 @@ def test_stage_writes_judged_pairs_that_downstream_stages_train_on(tiny_cfg):
     n_prompts = cfg.data.train_size
     # best_worst: one pair or one tie per prompt
     assert prefs["rows"]["pairs"] + prefs["rows"]["pairs_ties"] == n_prompts and len(rows) == prefs["rows"]["pairs"] > 0
-    assert prefs["rows"]["samples"] == (n_prompts + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt
+    assert cfg.preferences.contrast_samples == 1  # as the default profile: one base answer per training prompt
+    assert prefs["rows"]["samples"] == (n_prompts + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt + n_prompts
     for r in rows:
         assert r["chosen_score"] > r["rejected_score"] and r["chosen_index"] != r["rejected_index"]
         assert r["policy_key"] == sft["key"] and r["judge"] == "function:rlhf.train.rewards:low_vocab_share"
@@ -63,8 +65,9 @@ def test_stage_writes_judged_pairs_that_downstream_stages_train_on(tiny_cfg):
 
     rm = execute_stage(cfg, "reward_model")
     assert rm["inputs"].keys() == {"sft", "preferences"}
-    # trained on every training pair, scored on the held-out prompts' pairs
-    assert rm["rows"]["train_pairs"] == len(rows) and rm["rows"]["eval_pairs"] == prefs["rows"]["eval_pairs"]
+    # trained on every training pair and contrast pair, scored on the held-out prompts' pairs
+    assert rm["rows"]["train_pairs"] == len(rows) + prefs["rows"]["contrast_pairs"]
+    assert rm["rows"]["eval_pairs"] == prefs["rows"]["eval_pairs"]
     assert {"reward_model/eval_accuracy_chosen_longer", "reward_model/eval_accuracy_chosen_shorter"} <= rm["metrics"].keys()
     ref = execute_stage(cfg, "ref_logprobs")
     assert ref["rows"]["pairs"] == len(rows) and ref["inputs"].keys() == {"sft", "preferences"}
@@ -90,6 +93,7 @@ def test_contrast_pairs_train_the_reward_model_only(tiny_cfg):
     n_train = cfg.data.train_size
     assert prefs["rows"]["samples"] == len(samples) == (
         (n_train + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt + 2 * n_train)
+    assert set(prefs["outputs"]) == {*SPECS["preferences"].outputs, *SPECS["preferences"].optional_outputs}
     assert len(contrast) == prefs["rows"]["contrast_pairs"] > 0
     assert len(contrast) + prefs["rows"]["contrast_pairs_unpaired"] == 2 * n_train
     for r in contrast:
@@ -111,7 +115,7 @@ def test_pairs_key_follows_the_sft_key_and_reaches_downstream(tiny_cfg):
     assert all(other_sft[s] != base[s] for s in PAIR_STAGES)
     assert other_judge["sft"] == base["sft"]
     assert all(other_judge[s] != base[s] for s in ("preferences", "reward_model", "ref_logprobs", "dpo"))
-    contrast = predicted_keys(tiny_cfg(*only(*PAIR_STAGES), "preferences.contrast_samples=1"))
+    contrast = predicted_keys(tiny_cfg(*only(*PAIR_STAGES), "preferences.contrast_samples=0"))
     assert contrast["sft"] == base["sft"] and all(contrast[s] != base[s] for s in ("preferences", "reward_model"))
     # without the stage, the pair-trained stages read the task's pairs: keys without a preferences input
     off = predicted_keys(tiny_cfg(*only("sft", "reward_model", "ref_logprobs", "dpo")))

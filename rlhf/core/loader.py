@@ -285,6 +285,8 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
             per_prompt = 1 if cfg.preferences.pairing == "best_worst" else math.comb(cfg.preferences.samples_per_prompt, 2)
             bound = prompts * min(per_prompt, cfg.preferences.max_pairs_per_prompt or per_prompt)
             rows = bound * (2 if name == "kto" else 1)
+            if name == "reward_model":  # + at most one contrast pair per base answer
+                rows += prompts * cfg.preferences.contrast_samples
             shown = f"from the preferences stage (at most {rows})"
         else:
             rows = {"sft": n_train, "kto": 2 * n_train}.get(name, int(n_train * (1 - getattr(st, "eval_fraction", 0.0))))

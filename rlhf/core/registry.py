@@ -24,6 +24,7 @@ class StageSpec:
     kind: Kind
     inputs: Callable[[PipelineConfig], list[str]]  # the stages whose outputs it reads under this config
     outputs: tuple[str, ...]  # the artifact names of its manifest
+    optional_outputs: tuple[str, ...] = ()  # names its manifest has only under some configs
     root_outputs: tuple[str, ...] = ()  # those stored relative to the store root (shared caches), not the stage
     shared: tuple[str, ...] = ()  # other config sections that change its outputs (part of its content key)
     usual_lr: tuple[float, float] | None = None  # preflight warns outside this learning-rate range
@@ -60,7 +61,7 @@ POLICY = ("model", "metrics")
 SPECS: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("sft", "trainer", lambda cfg: [], POLICY, usual_lr=(1e-6, 2e-4)),  # TRL SFT examples 2e-5 .. 2e-4
     StageSpec("preferences", "inference", lambda cfg: [] if cfg.preferences.policy == "base" else ["sft"],
-              ("pairs", "eval_pairs", "samples")),
+              ("pairs", "eval_pairs", "samples"), optional_outputs=("contrast_pairs",)),  # contrast_samples > 0
     StageSpec("reward_model", "trainer",
               lambda cfg: [*(["sft"] if cfg.reward_model.init_from == "sft" else []), *_pairs(cfg)], POLICY,
               usual_lr=(1e-6, 1e-4)),  # InstructGPT RM 9e-6; TRL reward example 1e-5 .. 1e-4
