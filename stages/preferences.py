@@ -53,8 +53,10 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
     splits = {"train": task.train[: cfg.prompts], "eval": task.eval[: cfg.eval_prompts]}
     total = (sum(len(p) for p in splits.values()) * cfg.samples_per_prompt
              + len(splits["train"]) * cfg.contrast_samples)
-    engine = HFEngine(load_causal_lm(path, ctx.cfg.model), load_tokenizer(path), cfg.batch_size)
     t0, done_before = time.perf_counter(), [0]
+
+    def engine_for(model_path):
+        return HFEngine(load_causal_lm(model_path, ctx.cfg.model), load_tokenizer(model_path), cfg.batch_size)
 
     def sample(engine, problems, n):
         def log_progress(done: int, _total: int) -> None:
@@ -79,9 +81,10 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
         ctx.store.write_table(ctx.path(f"{name}.parquet"), pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA), PAIRS_SCHEMA)
         outputs[name], rows_out[name] = f"{name}.parquet", len(rows)
 
-    outputs, rows_out, metrics, samples, train_grouped = {}, {}, {}, [], []
+    outputs, rows_out, metrics, samples, by_split = {}, {}, {}, [], {}
+    engine = engine_for(path)
     for split, problems in splits.items():
-        grouped = sample(engine, problems, cfg.samples_per_prompt)
+        grouped = by_split[split] = sample(engine, problems, cfg.samples_per_prompt)
         rows, ties = pair_rows(problems, grouped, cfg, judge_name, cfg.policy, policy_key)
         name = "pairs" if split == "train" else "eval_pairs"
         write_pairs(name, rows)
@@ -90,17 +93,14 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
         if grouped:
             metrics[f"preferences/{split}_tie_fraction"] = ties / max(len(problems), 1) if cfg.pairing == "best_worst" else (
                 ties / max(ties + len(rows), 1))
-        train_grouped = grouped if split == "train" else train_grouped
     if not rows_out["pairs"]:
         raise ValueError(f"preferences: every one of the {len(splits['train'])} training prompts was a tie "
                          f"({cfg.samples_per_prompt} answers each scored the same): no pairs; raise "
                          "preferences.samples_per_prompt or temperature")
     if cfg.contrast_samples:
         del engine  # one model in memory at a time
-        base = resolve_model(ctx.cfg.model)
-        base_grouped = sample(HFEngine(load_causal_lm(base, ctx.cfg.model), load_tokenizer(base), cfg.batch_size),
-                              splits["train"], cfg.contrast_samples)
-        rows, rows_out["contrast_pairs_unpaired"] = contrast_rows(splits["train"], train_grouped, base_grouped, cfg,
+        base_grouped = sample(engine_for(resolve_model(ctx.cfg.model)), splits["train"], cfg.contrast_samples)
+        rows, rows_out["contrast_pairs_unpaired"] = contrast_rows(splits["train"], by_split["train"], base_grouped, cfg,
                                                                   judge_name, policy_key)
         write_pairs("contrast_pairs", rows)
         keep_samples("contrast", splits["train"], base_grouped)
