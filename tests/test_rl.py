@@ -190,9 +190,11 @@ def test_lora_policy_does_not_depend_on_what_ran_before_it_in_the_process(tiny_c
         assert torch.equal(models[0][k], models[1][k]), k
 
 
-def test_gradient_accumulation_gives_the_same_gradient():
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_gives_the_same_gradient(loss_type):
     """A minibatch of 8 rollouts of different lengths as 1 or 4 micro-batches: the same accumulated
-    gradient (each micro-batch's token-mean loss weighted by its share of the minibatch's tokens)."""
+    gradient (each micro-batch's loss weighted by its share of the minibatch's tokens, or of its
+    sequences for the per-sequence loss types)."""
     import torch
 
     from rlhf.core.config import GRPOConfig, ModelConfig
@@ -209,18 +211,19 @@ def test_gradient_accumulation_gives_the_same_gradient():
     for acc in (1, 4):
         model = load_causal_lm(resolve_model(ModelConfig(name="tiny")), ModelConfig(name="tiny"))
         cfg = GRPOConfig(prompts_per_iteration=2, group_size=4, minibatch_size=8, gradient_accumulation_steps=acc,
-                         beta=0.0, max_grad_norm=1e9)
+                         beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
         batch = build_batch(prompts, gens, 0)
         batch.logp_old = score_all(model, batch, 1.0, 8) - 0.05 * batch.mask  # ratios away from 1
         batch.advantages = torch.randn(8, 1, generator=torch.Generator().manual_seed(1)) * batch.mask
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # leaves the accumulated .grad in place
-        stats = update(Step(ALGORITHMS["grpo"], cfg, 1, {"policy": model}, {"policy": optimizer}, 0.0, 1.0, nullcontext), batch)
+        stats = update(Step(ALGORITHMS["grpo"], cfg, 1, {"policy": model}, {"policy": optimizer}, 0.0, 1.0, nullcontext, 8),
+                       batch)
         grads[acc] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats)
     (one, s1), (four, s4) = grads[1], grads[4]
     assert one.keys() == four.keys() and any(v.abs().sum() > 0 for v in one.values())
     for name in one:
         torch.testing.assert_close(four[name], one[name], atol=1e-7, rtol=1e-4)
-    assert s4["policy_loss"] == pytest.approx(s1["policy_loss"], rel=1e-5)  # token-weighted micro-batch metrics
+    assert s4["policy_loss"] == pytest.approx(s1["policy_loss"], rel=1e-5)  # share-weighted micro-batch metrics
 
 
 def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_cfg, monkeypatch):

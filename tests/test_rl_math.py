@@ -9,6 +9,7 @@ import torch
 
 from rlhf.maths.rl_math import (
     adaptive_kl_beta,
+    aggregate_loss,
     clipped_surrogate,
     clipped_value_loss,
     entropy_from_logits,
@@ -18,6 +19,7 @@ from rlhf.maths.rl_math import (
     kl_k1,
     kl_k3,
     kl_penalized_rewards,
+    loss_weight,
     masked_mean,
 )
 
@@ -62,6 +64,51 @@ def test_group_advantages_hand_worked():
     # Groups are independent, and a group of equal rewards has zero advantage (no NaN).
     two = group_advantages(T([0.2, 0.8, -0.4, 0.5, 1.0, 1.0, 1.0, 1.0]), group_size=4)
     assert two[4:].tolist() == [0.0] * 4 and torch.isfinite(two).all()
+
+
+def test_group_advantages_scaled_by_batch_or_not_at_all_by_hand():
+    # groups [1, 0] and [1, 1] (G = 2): centred [0.5, -0.5, 0, 0]
+    r = T([1.0, 0.0, 1.0, 1.0])
+    assert group_advantages(r, 2, scale="none").tolist() == [0.5, -0.5, 0.0, 0.0]  # Dr. GRPO
+    # batch: mean 0.75, squared deviations 1/16 * 3 + 9/16 = 12/16, sample var 0.25, std 0.5
+    assert group_advantages(r, 2, eps=0.0, scale="batch").tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    # group: [1, 0] has sample std sqrt(0.5); the uniform group stays 0 (eps keeps it from 0 / 0)
+    adv = group_advantages(r, 2).tolist()
+    assert adv[:2] == pytest.approx([0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], rel=1e-3) and adv[2:] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(r, 2, scale="std")
+
+
+def test_aggregate_loss_by_hand():
+    per_token = T([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert aggregate_loss(per_token, mask, "dapo", 4).item() == pytest.approx(2.0)  # 6 / 3 tokens
+    assert aggregate_loss(per_token, mask, "grpo", 4).item() == pytest.approx(2.25)  # (1.5 + 3) / 2 answers
+    assert aggregate_loss(per_token, mask, "dr_grpo", 4).item() == pytest.approx(0.75)  # 6 / (2 x 4)
+    with pytest.raises(ValueError, match="loss_type"):
+        aggregate_loss(per_token, mask, "sum", 4)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_micro_batches_weighted_by_loss_weight_give_the_whole_loss(loss_type):
+    g = torch.Generator().manual_seed(0)
+    per_token = torch.randn(6, 5, generator=g)
+    mask = (torch.arange(5)[None, :] < T([1, 5, 2, 3, 4, 2])[:, None]).float()
+    whole = aggregate_loss(per_token, mask, loss_type, 5)
+    total = loss_weight(mask, loss_type)
+    parts = sum(loss_weight(mask[i:j], loss_type) / total * aggregate_loss(per_token[i:j], mask[i:j], loss_type, 5)
+                for i, j in ((0, 1), (1, 4), (4, 6)))
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_per_sequence_mean_pushes_a_long_wrong_answer_down_less():
+    """The length bias Dr. GRPO removes: with advantage -1 on a 1-token and a 4-token answer, 'grpo'
+    weighs each token of the long answer 1/4 as much as the short one's; 'dapo' and 'dr_grpo' alike."""
+    mask = T([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    for loss_type, ratio in (("grpo", 0.25), ("dapo", 1.0), ("dr_grpo", 1.0)):
+        x = torch.zeros(2, 4, requires_grad=True)
+        aggregate_loss(-(-1.0) * x, mask, loss_type, 4).backward()  # loss = -A * x per token, A = -1
+        assert (x.grad[1, 0] / x.grad[0, 0]).item() == pytest.approx(ratio)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -653,6 +653,13 @@ class GRPOConfig(RLOptions):
     # for the missing groups, until prompts_per_iteration groups are informative (DAPO's refill; 0: none)
     refill_rounds: int = Field(0, ge=0, le=16)
     minibatch_size: int = Field(16, ge=1)  # rollouts per optimizer step; divides prompts x group_size
+    # how per-token losses add up (TRL's GRPOConfig.loss_type): dapo, every token alike (TRL's default);
+    # grpo, each answer's token mean (DeepSeekMath eq. 3: long wrong answers are pushed down less);
+    # dr_grpo, the token sum over answers x rollout.max_new_tokens (Dr. GRPO, Liu et al. 2025)
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    # advantages r - mean_g divided by the group's std (group), the batch's std (batch) or not at all
+    # (none: Dr. GRPO, which finds the group std a question-level difficulty bias); TRL's scale_rewards
+    scale_rewards: Literal["group", "batch", "none"] = "group"
 
     @model_validator(mode="after")
     def _refill(self) -> GRPOConfig:

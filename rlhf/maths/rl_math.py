@@ -63,12 +63,24 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv, (adv + values) * mask
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO outcome advantages (Shao et al. 2024, sec. 4.1.2): (r - mean_g) / (std_g + eps) within each
-    group of G samples of one prompt. std is the sample std (Bessel-corrected, n - 1), as TRL's
-    GRPOTrainer computes it. rewards: [N] ordered group by group, N = prompts x G -> [N]."""
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, scale: str = "group") -> torch.Tensor:
+    """GRPO outcome advantages (Shao et al. 2024, sec. 4.1.2): r - mean_g within each group of G samples
+    of one prompt, divided by
+      group: the group's std (the paper's (r - mean_g) / (std_g + eps));
+      batch: the std of all N rewards (TRL's scale_rewards="batch", from arXiv 2508.08221's Lite PPO);
+      none:  nothing (Dr. GRPO, Liu et al. 2025: dividing by std_g up-weights prompts the policy
+             almost always gets right or wrong, a question-level difficulty bias).
+    std is the sample std (Bessel-corrected, n - 1), as TRL's GRPOTrainer computes it.
+    rewards: [N] ordered group by group, N = prompts x G -> [N]."""
     r = rewards.view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+    centred = r - r.mean(1, keepdim=True)
+    if scale == "group":
+        centred = centred / (r.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"scale: expected 'group', 'batch' or 'none', got {scale!r}")
+    return centred.view(-1)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -100,6 +112,30 @@ def clipped_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
         "ratio_mean": masked_mean(ratio, mask),
     }
     return loss, metrics
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_tokens: int) -> torch.Tensor:
+    """A batch's loss from per-token losses [B, T], by how tokens are weighted:
+      dapo:    sum / number of tokens; every token weighs the same (DAPO, Yu et al. 2025, sec. 3.3);
+      grpo:    mean over sequences of each sequence's token mean (DeepSeekMath, Shao et al. 2024, eq. 3):
+               a long answer's tokens weigh less, so a wrong long answer is pushed down less than a short one;
+      dr_grpo: sum / (B * max_tokens), a constant normaliser (Dr. GRPO, Liu et al. 2025).
+    Hand-worked: per_token [[1, 2, 0], [3, 0, 0]], mask [[1, 1, 0], [1, 0, 0]], max_tokens 4:
+      dapo (1 + 2 + 3) / 3 = 2;  grpo (1.5 + 3) / 2 = 2.25;  dr_grpo 6 / (2 * 4) = 0.75."""
+    if loss_type == "dapo":
+        return masked_mean(per_token, mask)
+    if loss_type == "grpo":
+        return masked_mean(per_token, mask, dim=1).mean()
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (mask.shape[0] * max_tokens)
+    raise ValueError(f"loss_type: expected 'dapo', 'grpo' or 'dr_grpo', got {loss_type!r}")
+
+
+def loss_weight(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """What a micro-batch's share of its minibatch's loss is proportional to, so that micro-batches
+    weighted by their shares give the whole minibatch's `aggregate_loss`: its tokens (dapo) or its
+    sequences (grpo, dr_grpo: both are means over sequences)."""
+    return mask.sum() if loss_type == "dapo" else mask.new_tensor(float(mask.shape[0]))
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:

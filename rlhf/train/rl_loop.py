@@ -166,15 +166,15 @@ def ppo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> None
 
 
 def grpo_advantages(cfg, batch: Batch, scores: torch.Tensor, beta: float) -> None:
-    seq = rl_math.group_advantages(scores, cfg.group_size)
+    seq = rl_math.group_advantages(scores, cfg.group_size, scale=cfg.scale_rewards)
     batch.advantages = seq[:, None] * batch.mask
 
 
 def grpo_extra_loss(cfg, batch: Batch, rows, logp, mask, beta):
     if batch.logp_ref is None or cfg.beta == 0:
-        return 0.0, {}
-    k3 = rl_math.masked_mean(rl_math.kl_k3(logp, batch.logp_ref[rows], mask), mask)
-    return cfg.beta * k3, {"k3": k3}
+        return None, {}
+    k3 = rl_math.kl_k3(logp, batch.logp_ref[rows], mask)
+    return cfg.beta * k3, {"k3": rl_math.masked_mean(k3, mask)}
 
 
 def ppo_next_beta(cfg, beta: float, kl: float, n_steps: int) -> float:
@@ -189,18 +189,21 @@ class Algorithm:
 
     name: str
     advantages: Callable  # (cfg, batch, scores, beta) -> None: sets batch.advantages (and returns)
-    extra_loss: Callable  # (cfg, batch, rows, logp, mask, beta) -> (loss term, its metrics)
+    extra_loss: Callable  # (cfg, batch, rows, logp, mask, beta) -> (per-token loss term or None, its metrics)
     critic: bool  # a value model is trained beside the policy
     initial_beta: Callable  # (cfg) -> float: the KL coefficient at iteration 1
     next_beta: Callable  # (cfg, beta, kl, n_steps) -> float: after each iteration (adaptive KL)
     entropy_coef: Callable  # (cfg) -> float: weight of the entropy bonus in the loss
+    loss_type: Callable  # (cfg) -> str: how per-token losses add up (rl_math.aggregate_loss)
 
 
 ALGORITHMS = {a.name: a for a in (
-    Algorithm("ppo", ppo_advantages, lambda *a: (0.0, {}), critic=True,
-              initial_beta=lambda cfg: cfg.kl.beta, next_beta=ppo_next_beta, entropy_coef=lambda cfg: cfg.entropy_coef),
+    Algorithm("ppo", ppo_advantages, lambda *a: (None, {}), critic=True,
+              initial_beta=lambda cfg: cfg.kl.beta, next_beta=ppo_next_beta, entropy_coef=lambda cfg: cfg.entropy_coef,
+              loss_type=lambda cfg: "dapo"),
     Algorithm("grpo", grpo_advantages, grpo_extra_loss, critic=False,
-              initial_beta=lambda cfg: cfg.beta, next_beta=lambda cfg, beta, kl, n: beta, entropy_coef=lambda cfg: 0.0),
+              initial_beta=lambda cfg: cfg.beta, next_beta=lambda cfg, beta, kl, n: beta, entropy_coef=lambda cfg: 0.0,
+              loss_type=lambda cfg: cfg.loss_type),
 )}
 
 
@@ -216,6 +219,7 @@ class Step:
     beta: float
     temperature: float
     amp: Callable  # the mixed-precision context for forward passes
+    max_new_tokens: int  # the sampler's budget: dr_grpo's constant normaliser
 
 
 # ---- rewards ----------------------------------------------------------------------------------------
@@ -389,7 +393,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
 
         stats = update(Step(spec, cfg, it, models, optimizers, state["beta"], roll.temperature,
-                            lambda: autocast(pcfg.model, device.type)), batch)
+                            lambda: autocast(pcfg.model, device.type), roll.max_new_tokens), batch)
         if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion
             stats.update(logp_mismatch(batch))
         if (diff := engine.sync(policy)) is not None:  # an engine with its own copy of the weights
@@ -556,12 +560,14 @@ def generate_and_score(engine, problems, params: SamplingParams, reward) -> tupl
 
 
 def update(step: Step, batch: Batch) -> dict:
-    """K epochs over shuffled minibatches, one optimizer step each; token-level averaging within a
-    minibatch. With gradient_accumulation_steps > 1 a minibatch runs as that many micro-batches whose
-    losses are weighted by their share of its tokens: the same gradient as the whole minibatch at once.
+    """K epochs over shuffled minibatches, one optimizer step each; per-token losses add up within a
+    minibatch as the algorithm's loss_type says (rl_math.aggregate_loss). With gradient_accumulation_steps
+    > 1 a minibatch runs as that many micro-batches whose losses are weighted by their share of its tokens
+    (or sequences, rl_math.loss_weight): the same gradient as the whole minibatch at once.
     With several ranks the minibatch splits into accumulation steps x ranks micro-batches, rank r takes
     every r-th, and the gradients (and the share-weighted metrics) are summed across ranks."""
     cfg, models, optimizers = step.cfg, step.models, step.optimizers
+    loss_type = step.algo.loss_type(cfg)
     sums: dict[str, float] = {}
     steps = 0
     g = torch.Generator().manual_seed(step.it)
@@ -571,13 +577,13 @@ def update(step: Step, batch: Batch) -> dict:
         order = torch.randperm(len(batch.mask), generator=g)
         for start in range(0, len(order), cfg.minibatch_size):
             rows = order[start : start + cfg.minibatch_size]
-            total = batch.mask[rows].sum().clamp(min=1)
+            total = rl_math.loss_weight(batch.mask[rows], loss_type).clamp(min=1)
             for opt in optimizers.values():
                 opt.zero_grad()
             out: dict[str, float] = {}
             world = dist.world_size()
             for micro in rows.chunk(cfg.gradient_accumulation_steps * world)[dist.rank() :: world]:
-                share = (batch.mask[micro].sum() / total).item()
+                share = (rl_math.loss_weight(batch.mask[micro], loss_type) / total).item()
                 for k, v in micro_step(step, batch, micro, share).items():
                     out[k] = out.get(k, 0.0) + share * v
             if world > 1:
@@ -599,14 +605,15 @@ def micro_step(step: Step, batch: Batch, rows, share: float) -> dict:
     mask = batch.mask[rows]
     with step.amp():
         logp, logits = forward(models["policy"], batch, rows, step.temperature)
-    pg, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
-                                      cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
-    loss = rl_math.masked_mean(pg, mask)
+    per_token, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
+                                             cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
     extra, extra_m = step.algo.extra_loss(cfg, batch, rows, logp, mask, step.beta)
-    loss = loss + extra
+    if extra is not None:  # as TRL: the KL term joins the per-token loss before it is aggregated
+        per_token = per_token + extra
     entropy = rl_math.masked_mean(rl_math.entropy_from_logits(logits.detach()), mask)
     if (coef := step.algo.entropy_coef(cfg)) > 0:
-        loss = loss - coef * rl_math.masked_mean(rl_math.entropy_from_logits(logits), mask)
+        per_token = per_token - coef * rl_math.entropy_from_logits(logits)
+    loss = rl_math.aggregate_loss(per_token, mask, step.algo.loss_type(cfg), step.max_new_tokens)
     guard(name, it, "policy loss", loss.item())
     guard(name, it, "ratio", m["ratio_mean"].item())
     (share * loss).backward()
