@@ -49,6 +49,8 @@ CASES = [
     ("bool-as-float", ["rollout.temperature=false"], [], None, {}, "rollout.temperature: must be a number, got false"),
     ("bad-literal", ["dpo.loss_type=hinge"], [], None, {}, "dpo.loss_type: must be one of 'sigmoid', 'ipo' or 'robust', got 'hinge'"),
     ("grpo-scale", ["grpo.scale_rewards=std"], [], None, {}, "grpo.scale_rewards: must be one of 'group', 'batch' or 'none', got 'std'"),
+    ("tis-rollout", ["grpo.sampler_correction=token_truncate"], [], None, {},
+     "grpo.sampler_correction: needs logp_old: recompute"),
     ("group-size", ["grpo.group_size=1"], [], None, {}, "grpo.group_size: must be >= 2, got 1"),
     ("lr-zero", ["sft.learning_rate=0"], [], None, {}, "sft.learning_rate: must be > 0.0, got 0"),
     ("lr-nan", ["sft.learning_rate=.nan"], [], None, {}, "sft.learning_rate: input should be a finite number"),

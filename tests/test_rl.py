@@ -190,16 +190,14 @@ def test_lora_policy_does_not_depend_on_what_ran_before_it_in_the_process(tiny_c
         assert torch.equal(models[0][k], models[1][k]), k
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_gradient_accumulation_gives_the_same_gradient(loss_type):
-    """A minibatch of 8 rollouts of different lengths as 1 or 4 micro-batches: the same accumulated
-    gradient (each micro-batch's loss weighted by its share of the minibatch's tokens, or of its
-    sequences for the per-sequence loss types)."""
+def update_gradients(loss_type: str, accumulation: int, weight: float | None = None):
+    """One update() of the tiny model on 8 rollouts of different lengths with lr 0: the accumulated
+    gradients (and the update's metrics). weight: every token's sampler-correction weight, or none."""
     import torch
 
     from rlhf.core.config import GRPOConfig, ModelConfig
-    from rlhf.engines.engine import Generation
     from rlhf.core.models import load_causal_lm, resolve_model
+    from rlhf.engines.engine import Generation
     from rlhf.train.rl_loop import ALGORITHMS, Step, build_batch, score_all, update
 
     g = torch.Generator().manual_seed(0)
@@ -207,23 +205,44 @@ def test_gradient_accumulation_gives_the_same_gradient(loss_type):
     gens = [Generation(i, 0, torch.randint(5, 1000, (n,), generator=g).tolist(), [-1.0] * n, "", "length")
             for i, n in enumerate(lengths)]
     prompts = [torch.randint(5, 1000, (3 + i % 3,), generator=g).tolist() for i in range(8)]
-    grads = {}
-    for acc in (1, 4):
-        model = load_causal_lm(resolve_model(ModelConfig(name="tiny")), ModelConfig(name="tiny"))
-        cfg = GRPOConfig(prompts_per_iteration=2, group_size=4, minibatch_size=8, gradient_accumulation_steps=acc,
-                         beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
-        batch = build_batch(prompts, gens, 0)
-        batch.logp_old = score_all(model, batch, 1.0, 8) - 0.05 * batch.mask  # ratios away from 1
-        batch.advantages = torch.randn(8, 1, generator=torch.Generator().manual_seed(1)) * batch.mask
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # leaves the accumulated .grad in place
-        stats = update(Step(ALGORITHMS["grpo"], cfg, 1, {"policy": model}, {"policy": optimizer}, 0.0, 1.0, nullcontext, 8),
-                       batch)
-        grads[acc] = ({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats)
-    (one, s1), (four, s4) = grads[1], grads[4]
+    model = load_causal_lm(resolve_model(ModelConfig(name="tiny")), ModelConfig(name="tiny"))
+    cfg = GRPOConfig(prompts_per_iteration=2, group_size=4, minibatch_size=8, gradient_accumulation_steps=accumulation,
+                     beta=0.0, max_grad_norm=1e9, loss_type=loss_type)
+    batch = build_batch(prompts, gens, 0)
+    batch.logp_old = score_all(model, batch, 1.0, 8) - 0.05 * batch.mask  # ratios away from 1
+    batch.advantages = torch.randn(8, 1, generator=torch.Generator().manual_seed(1)) * batch.mask
+    if weight is not None:
+        batch.weights = weight * batch.mask
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # leaves the accumulated .grad in place
+    stats = update(Step(ALGORITHMS["grpo"], cfg, 1, {"policy": model}, {"policy": optimizer}, 0.0, 1.0, nullcontext, 8), batch)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_gradient_accumulation_gives_the_same_gradient(loss_type):
+    """A minibatch of 8 rollouts of different lengths as 1 or 4 micro-batches: the same accumulated
+    gradient (each micro-batch's loss weighted by its share of the minibatch's tokens, or of its
+    sequences for the per-sequence loss types)."""
+    import torch
+
+    (one, s1), (four, s4) = update_gradients(loss_type, 1), update_gradients(loss_type, 4)
     assert one.keys() == four.keys() and any(v.abs().sum() > 0 for v in one.values())
     for name in one:
         torch.testing.assert_close(four[name], one[name], atol=1e-7, rtol=1e-4)
     assert s4["policy_loss"] == pytest.approx(s1["policy_loss"], rel=1e-5)  # share-weighted micro-batch metrics
+
+
+def test_sampler_correction_weights_scale_the_policy_gradient():
+    """batch.weights (sampler_correction) multiply the per-token policy-gradient loss: weights of 1 leave
+    the gradient as it is, weights of 0.5 halve it."""
+    import torch
+
+    plain, _ = update_gradients("dapo", 1)
+    ones, _ = update_gradients("dapo", 1, weight=1.0)
+    half, _ = update_gradients("dapo", 1, weight=0.5)
+    for name in plain:
+        torch.testing.assert_close(ones[name], plain[name])
+        torch.testing.assert_close(half[name], 0.5 * plain[name], atol=1e-9, rtol=1e-5)
 
 
 def test_mixed_precision_keeps_float32_master_weights_and_a_bf16_reference(tiny_cfg, monkeypatch):
@@ -318,13 +337,15 @@ def test_grpo_skips_uniform_groups_and_can_reuse_sampler_logps(tiny_cfg):
         fraction = next(r["value"] for r in metrics if r["step"] == it and r["name"] == "trained_fraction")
         assert fraction == len(exp) / 24
         assert all(r["logp_old"] == r["logp_rollout"] for r in exp)
-    # the same first iteration with logp_old recomputed: the sampler's numbers equal a full forward's
+    # the same first iteration with logp_old recomputed: the sampler's numbers equal a full forward's, so
+    # the sampler correction (TIS/MIS) weighs every trained token about 1 (HF sampler = trainer here)
     again = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=1", "grpo.prompts_per_iteration=6", "grpo.group_size=4",
                    "grpo.minibatch_size=8", "grpo.skip_uniform_groups=true", "run.name=recompute",
-                   "grpo.reward_function=reward_fns:uniform_on_sums")
+                   "grpo.reward_function=reward_fns:uniform_on_sums", "grpo.sampler_correction=sequence_mask")
     execute_stage(again, "grpo")
     m = store.read_table(store.stage_path("recompute", "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
     assert next(r["value"] for r in m if r["name"] == "logp_mismatch_max") < 1e-3
+    assert next(r["value"] for r in m if r["name"] == "sampler_weight_mean") == pytest.approx(1.0, abs=0.05)
 
 
 def test_an_iteration_with_only_uniform_groups_still_checkpoints_and_resumes(tiny_cfg, monkeypatch):

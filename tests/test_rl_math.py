@@ -21,6 +21,7 @@ from rlhf.maths.rl_math import (
     kl_penalized_rewards,
     loss_weight,
     masked_mean,
+    sampler_correction,
 )
 
 T = torch.tensor
@@ -109,6 +110,20 @@ def test_per_sequence_mean_pushes_a_long_wrong_answer_down_less():
         x = torch.zeros(2, 4, requires_grad=True)
         aggregate_loss(-(-1.0) * x, mask, loss_type, 4).backward()  # loss = -A * x per token, A = -1
         assert (x.grad[1, 0] / x.grad[0, 0]).item() == pytest.approx(ratio)
+
+
+def test_sampler_correction_by_hand():
+    old, rollout, mask = T([[-1.0, -2.0, 0.0]]), T([[-1.5, -1.0, 0.0]]), T([[1.0, 1.0, 0.0]])
+    e = math.exp
+    cases = {"token_truncate": [1.5, e(-1.0), 0.0], "token_mask": [0.0, e(-1.0), 0.0],
+             "sequence_truncate": [e(-0.5), e(-0.5), 0.0], "sequence_mask": [e(-0.5), e(-0.5), 0.0]}
+    for mode, want in cases.items():
+        assert sampler_correction(old, rollout, mask, mode, cap=1.5)[0].tolist() == pytest.approx(want), mode
+    # a sequence ratio above the cap: truncated to it, or the whole sequence dropped
+    assert sampler_correction(rollout, old, mask, "sequence_truncate", 1.5)[0].tolist() == pytest.approx([1.5, 1.5, 0])
+    assert sampler_correction(rollout, old, mask, "sequence_mask", 1.5)[0].tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="mode"):
+        sampler_correction(old, rollout, mask, "token", 1.5)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -578,6 +578,11 @@ class RLOptions(Placement):
     # sampler's log-probs (saves that pass; exact only for the same weights and numerics, and not with
     # top_p < 1, which renormalises the sampler's distribution; logp_mismatch_* report the gap)
     logp_old: Literal["recompute", "rollout"] = "recompute"
+    # weigh each token's loss by pi_trainer / pi_sampler, truncated at sampler_correction_cap or masked above
+    # it, per token or per sequence (TIS / MIS, Yao et al. 2025; TRL's vllm_importance_sampling_mode): for a
+    # sampler whose numbers differ from the trainer's (vLLM); needs logp_old: recompute
+    sampler_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    sampler_correction_cap: float = Field(3.0, gt=1.0, le=1e6)  # TRL's vllm_importance_sampling_clip_max
     # LoRA on the policy: the reference is then the same model with its adapters off (no second copy)
     lora: LoraConfig = LoraConfig()
     eval_prompts: int = Field(64, ge=0)  # held-out greedy verifier accuracy after training
@@ -600,6 +605,9 @@ class RLOptions(Placement):
 
     @model_validator(mode="after")
     def _minibatch(self) -> RLOptions:
+        if self.sampler_correction != "none" and self.logp_old == "rollout":
+            raise ValueError("sampler_correction: needs logp_old: recompute (with the sampler's log-probs as logp_old "
+                             f"there is no trainer log-prob to correct towards), got {self.sampler_correction!r}")
         if (self.reward_source == "function") != (self.reward_function is not None):
             raise ValueError("reward_function: set it exactly when reward_source is 'function' ('module:function')")
         if self.minibatch_size % self.gradient_accumulation_steps:

@@ -138,6 +138,25 @@ def loss_weight(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
     return mask.sum() if loss_type == "dapo" else mask.new_tensor(float(mask.shape[0]))
 
 
+def sampler_correction(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float) -> torch.Tensor:
+    """Importance weights [B, T] for sampler/trainer mismatch (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): the rollouts come from the sampler's distribution
+    (vLLM's kernels, another precision), the loss assumes the trainer's. Ratio pi_trainer / pi_sampler,
+    per token or per sequence (the product over its tokens), then
+      *_truncate: min(ratio, cap) (TIS);  *_mask: ratio where ratio <= cap, else 0 (MIS: drop the token or sequence).
+    TRL's vllm_importance_sampling_mode, with its C_max as `cap`. Padding gets weight 0. Hand-worked:
+    logp_old [[-1, -2]], logp_rollout [[-1.5, -1]], cap 1.5: token ratios e^0.5 = 1.649, e^-1 = 0.368;
+    token_truncate [1.5, 0.368], token_mask [0, 0.368]; sequence ratio e^-0.5 = 0.607 on both tokens."""
+    diff = (logp_old - logp_rollout) * mask
+    level, _, how = mode.partition("_")
+    if level not in ("token", "sequence") or how not in ("truncate", "mask"):
+        raise ValueError(f"mode: expected token_truncate, token_mask, sequence_truncate or sequence_mask, got {mode!r}")
+    ratio = torch.exp(diff.sum(1, keepdim=True) if level == "sequence" else diff)
+    ratio = ratio.clamp(max=cap) if how == "truncate" else torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    return ratio.expand_as(mask) * mask
+
+
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:
     """0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2) per token (PPO2 value clipping)."""
     v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)

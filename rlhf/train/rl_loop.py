@@ -83,6 +83,7 @@ class Batch:
     values: torch.Tensor | None = None  # [B, T] critic before updates (PPO)
     advantages: torch.Tensor | None = None  # [B, T]
     returns: torch.Tensor | None = None  # [B, T] (PPO)
+    weights: torch.Tensor | None = None  # [B, T] sampler-mismatch importance weights (sampler_correction)
 
     def rows(self, lo: int, hi: int) -> Batch:
         """Rows [lo, hi) of what a scorer reads (ids, masks), on the CPU: what a scorer actor is sent."""
@@ -388,6 +389,9 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             if critic is not None:
                 batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
         spec.advantages(cfg, batch, scores, state["beta"])
+        if cfg.sampler_correction != "none":
+            batch.weights = rl_math.sampler_correction(batch.logp_old, batch.logp_rollout, batch.mask,
+                                                       cfg.sampler_correction, cfg.sampler_correction_cap)
         kl_seq = ((rl_math.kl_k1(batch.logp_old, batch.logp_ref) * batch.mask).sum(1).mean().item()
                   if batch.logp_ref is not None else 0.0)
         guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
@@ -396,6 +400,8 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                             lambda: autocast(pcfg.model, device.type), roll.max_new_tokens), batch)
         if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion
             stats.update(logp_mismatch(batch))
+        if batch.weights is not None:
+            stats["sampler_weight_mean"] = rl_math.masked_mean(batch.weights, batch.mask).item()
         if (diff := engine.sync(policy)) is not None:  # an engine with its own copy of the weights
             stats["sync_max_abs_diff"] = diff
         state["beta"] = spec.next_beta(cfg, state["beta"], kl_seq, len(gens))
@@ -607,6 +613,8 @@ def micro_step(step: Step, batch: Batch, rows, share: float) -> dict:
         logp, logits = forward(models["policy"], batch, rows, step.temperature)
     per_token, m = rl_math.clipped_surrogate(logp, batch.logp_old[rows], batch.advantages[rows], mask,
                                              cfg.clip_eps, getattr(cfg, "clip_eps_high", None), cfg.dual_clip)
+    if batch.weights is not None:  # as TRL: the policy-gradient term only, before the KL term joins
+        per_token = per_token * batch.weights[rows]
     extra, extra_m = step.algo.extra_loss(cfg, batch, rows, logp, mask, step.beta)
     if extra is not None:  # as TRL: the KL term joins the per-token loss before it is aggregated
         per_token = per_token + extra
