@@ -86,9 +86,11 @@ class Task:
         return reasoning_gym.get_score_answer_fn(self.name)
 
     def score(self, completion: str, problem: Problem) -> float:
-        """Verifier reward in [0, 1]: reasoning-gym's own scorer on the completion's last number."""
+        """Verifier reward in [0, 1]: reasoning-gym's own scorer on the completion's last number, or
+        (data.partial_credit false) 1.0 where it gives full marks and 0.0 elsewhere."""
         answer = last_number(completion)
-        return float(self._scorer(answer if answer is not None else completion.strip(), problem.entry))
+        score = float(self._scorer(answer if answer is not None else completion.strip(), problem.entry))
+        return score if self.cfg.partial_credit else float(score >= 1.0)
 
     def sft_rows(self) -> list[dict]:
         """Demonstrations: the gold answer as the assistant's reply, or (answer_format 'worked') a worked
