@@ -45,12 +45,13 @@ def test_verifier_scores_gold_one_and_wrong_zero():
 
 def test_partial_credit_for_a_substring_of_the_gold_answer_only_when_asked():
     """reasoning-gym's chain_sum scorer gives len(gold) / len(reply) when the gold answer is inside the
-    reply: '-19' for 89 - 90 = -1 scores 2/3. data.partial_credit false scores it 0, full marks stay 1."""
+    reply: '-19' for 89 - 90 = -1 scores 2/3 with data.partial_credit true; the default scores it 0, full
+    marks stay 1."""
     from rlhf.data.tasks import Problem
 
     entry = {"question": "89 - 90 =", "answer": "-1", "metadata": {}}
     problem = Problem("x", entry["question"], "-1", entry)
-    graded, exact = Task(DataConfig()), Task(DataConfig(partial_credit=False))
+    graded, exact = Task(DataConfig(partial_credit=True)), Task(DataConfig())
     assert graded.score("-19", problem) == pytest.approx(2 / 3)
     assert exact.score("-19", problem) == 0.0
     assert exact.score("The answer is -1.", problem) == graded.score("The answer is -1.", problem) == 1.0

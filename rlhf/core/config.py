@@ -131,11 +131,11 @@ class DataConfig(Strict):
     # SFT demonstrations: the bare answer (direct), or a worked solution that splits each step into tens
     # and units before the answer (worked; chain_sum only): room to reason before the answer
     answer_format: Literal["direct", "worked"] = "direct"
-    # the verifier's score: reasoning-gym's own, which gives partial credit when the gold answer is a
-    # substring of the reply ('-19' for -1 scores 0.67, '12' for 2 scores 0.5), or (false) 1 for full marks
-    # and 0 otherwise, the held-out accuracy's criterion. The partial credit rewards wrong answers in RL
-    # and in pairs (docs/benchmarks.md); true keeps the runs measured before this option comparable
-    partial_credit: bool = True
+    # the verifier's score: 1 for full marks and 0 otherwise, the held-out accuracy's criterion; or (true)
+    # reasoning-gym's own, which gives partial credit when the gold answer is a substring of the reply
+    # ('-19' for -1 scores 0.67, '12' for 2 scores 0.5): that rewards wrong answers in RL and makes some
+    # wrong answers "chosen" in on-policy pairs (docs/benchmarks.md). true reproduces runs before 2026-12-02
+    partial_credit: bool = False
 
     @field_validator("task")
     @classmethod

@@ -86,8 +86,8 @@ class Task:
         return reasoning_gym.get_score_answer_fn(self.name)
 
     def score(self, completion: str, problem: Problem) -> float:
-        """Verifier reward in [0, 1]: reasoning-gym's own scorer on the completion's last number, or
-        (data.partial_credit false) 1.0 where it gives full marks and 0.0 elsewhere."""
+        """Verifier reward of the completion's last number: 1.0 where reasoning-gym's own scorer gives full
+        marks and 0.0 elsewhere, or (data.partial_credit true) that scorer's graded score in [0, 1]."""
         answer = last_number(completion)
         score = float(self._scorer(answer if answer is not None else completion.strip(), problem.entry))
         return score if self.cfg.partial_credit else float(score >= 1.0)
@@ -104,8 +104,8 @@ class Task:
         pool = [p.answer for p in self.train]
         rows = []
         for p in self.train:
-            # reasoning-gym gives partial credit when the gold string appears inside the answer
-            # ('-5' for '5'): redraw until the verifier scores the rejected reply 0.
+            # with data.partial_credit true, reasoning-gym gives partial credit when the gold string
+            # appears inside the answer ('-5' for '5'): redraw until the verifier scores the rejected reply 0.
             wrong = wrong_answer(p.answer, rng, pool)
             for _ in range(20):
                 if self.score(wrong, p) == 0.0:
