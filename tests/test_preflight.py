@@ -67,6 +67,7 @@ def test_estimator_reproduces_the_published_1_5b_table(tmp_path):
         "dpo.optim=adamw_bnb_8bit", "dpo.per_device_batch_size=1", "dpo.max_length=512", "dpo.gradient_checkpointing=true",
         "grpo.enabled=true", "grpo.optim=adamw_bnb_8bit", "grpo.group_size=4", "grpo.prompts_per_iteration=4",
         "grpo.minibatch_size=4", "grpo.gradient_checkpointing=true", "grpo.beta=0.04",  # the table holds a reference
+        "grpo.lora.enabled=false",  # and trains full weights
         "ppo.enabled=true", "ppo.reward_source=reward_model", "ppo.prompts_per_iteration=8", "ppo.minibatch_size=4",
         "ppo.gradient_checkpointing=true"])
     assert model_shape(cfg.model).params() == pytest.approx(1.54e9, rel=0.01)

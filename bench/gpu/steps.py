@@ -196,7 +196,8 @@ def predictions(shape: dict, attn: str, optim: str) -> dict[str, float]:
         f"ref_logprobs.max_length={SEQ}", f"rollout.max_new_tokens={SEQ - RL_PROMPT}", "rollout.batch_size=8",
         *[f"{s}.{k}={v}" for s in ("grpo", "ppo") for k, v in
           (("enabled", "true"), ("optim", optim), ("gradient_checkpointing", "true"), ("minibatch_size", BATCH[s]))],
-        "grpo.group_size=4", "grpo.prompts_per_iteration=2", "ppo.prompts_per_iteration=8", "ppo.reward_source=reward_model",
+        "grpo.group_size=4", "grpo.prompts_per_iteration=2", "grpo.lora.enabled=false",  # the step above trains full weights
+        "ppo.prompts_per_iteration=8", "ppo.reward_source=reward_model",
     ])
     est = stage_estimates(cfg)
     return {s: est[s]["total"] for s in BATCH}
