@@ -17,6 +17,17 @@ else
 fi
 stamp="$VENV/.rlhf-vllm-$flavour-$(sha256sum setup-vllm.sh | cut -c1-16)"
 if [ -f "$stamp" ]; then exit 0; fi
+# Room first (exit 3, before any download): the CPU environment is 2.5 GB installed, plus pip's unpacked
+# downloads while it builds. tests/test_vllm.py skips on exit 3, saying so.
+need_gb=${RLHF_VLLM_DISK_GB:-4}
+case $need_gb in ''|*[!0-9]*) echo "setup-vllm.sh: RLHF_VLLM_DISK_GB must be a whole number of GiB, got '$need_gb'" >&2; exit 2;; esac
+for dir in "$(dirname "$VENV")" "${TMPDIR:-/tmp}"; do
+  free_kb=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+  if [ "$free_kb" -lt $((need_gb * 1024 * 1024)) ]; then
+    echo "setup-vllm.sh: needs ${need_gb} GiB free in $dir to build $VENV; $((free_kb / 1024)) MiB free" >&2
+    exit 3
+  fi
+done
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$flavour" = cpu ]; then

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -35,7 +34,6 @@ from rlhf.engines.vllm_engine import VLLMEngine, WeightSyncError
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns
 pytestmark = pytest.mark.slow
-VLLM_DISK = 4 * 2**30
 TINY64 = ("model.tiny.hidden_size=128", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1")
 
 
@@ -44,15 +42,12 @@ def vllm_python(tmp_path_factory) -> str:
     given = os.environ.get("RLHF_VLLM_PYTHON")
     if given:
         return given
-    built_before = any((REPO / ".venv-vllm").glob(".rlhf-vllm-*"))
-    free = min(shutil.disk_usage(p).free for p in (REPO, tempfile.gettempdir()))
-    if not built_before and free < VLLM_DISK:
-        # A machine without room for the engine cannot run it: skipped, not failed, and says so. Measured: the
-        # CPU environment is 2.5 GB installed, plus pip's unpacked downloads while it builds.
-        pytest.skip(f"setup-vllm.sh needs {VLLM_DISK / 2**30:.0f} GiB free to build .venv-vllm; "
-                    f"{free / 2**30:.1f} GiB free here")
     built = subprocess.run(["bash", str(REPO / "setup-vllm.sh")], capture_output=True, text=True, timeout=1800)
-    if built.returncode != 0 and "No space left on device" in built.stderr:  # the disk filled while it built
+    # A machine without room for the engine cannot run it: skipped, not failed, and says so. Exit 3 is the
+    # script's own check before it builds; ENOSPC means the disk filled while it built.
+    if built.returncode == 3:
+        pytest.skip(built.stderr.strip()[-300:])
+    if built.returncode != 0 and "No space left on device" in built.stderr:
         shutil.rmtree(REPO / ".venv-vllm", ignore_errors=True)  # a half-built environment: room for the other tests
         pytest.skip(f"setup-vllm.sh ran out of disk building .venv-vllm: {built.stderr.strip()[-300:]}")
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]
