@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlhf.core.config import DataConfig, ModelConfig  # noqa: E402
 from rlhf.engines.engine import HFEngine, SamplingParams  # noqa: E402
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from rlhf.data.tasks import Task, user  # noqa: E402
+from rlhf.data.tasks import Task  # noqa: E402
 from rlhf.engines.vllm_engine import VLLMEngine  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     cfg = ModelConfig()
     path = resolve_model(cfg)
     tok = load_tokenizer(path)
-    prompts = [[user(q.question)] for q in Task(DataConfig(train_size=a.prompts, eval_size=8)).train]
+    prompts = [q.messages() for q in Task(DataConfig(train_size=a.prompts, eval_size=8)).train]
     params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, seed=0)
 
     model = load_causal_lm(path, cfg)

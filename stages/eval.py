@@ -30,7 +30,7 @@ from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torc
 from rlhf.data.schemas import SCHEMAS
 from rlhf.train.rewards import reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task, assistant, user
+from rlhf.data.tasks import Task, assistant
 from rlhf.train.training import fetch_model
 
 
@@ -99,7 +99,7 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
     run_name = ctx.cfg.run.name
     task = Task(ctx.cfg.data)
     problems = task.eval[: cfg.prompts]
-    prompts = [[user(p.question)] for p in problems]
+    prompts = [p.messages() for p in problems]
     with torch.inference_mode():
         gens = sample_policies(cfg, ctx, prompts)
         kl = log_ratio_to_reference(ctx, cfg, prompts, gens)

@@ -23,6 +23,7 @@ from trl import RewardConfig, RewardTrainer
 from rlhf.core.config import RewardModelConfig
 from rlhf.core.models import load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.data.pairs import onpolicy_pairs, stage_pairs
+from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.train.rewards import reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.training import (
@@ -43,6 +44,11 @@ def split(rows: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict]
     if n_eval >= len(rows):
         raise ValueError(f"reward_model.eval_fraction: leaves no training pairs out of {len(rows)}")
     return [rows[i] for i in order[:-n_eval]], [rows[i] for i in order[-n_eval:]]
+
+
+class SharedPrefixRewardTrainer(SharedPrefixLoss, RewardTrainer):
+    """TRL's RewardTrainer with each batch's shared prompt prefix run once (rlhf/engines/prefix.py): the
+    same scores and gradients for about a third of the compute on chain_sum's 48-token prompts."""
 
 
 def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
@@ -73,7 +79,7 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         center_rewards_coefficient=cfg.center_rewards_coefficient or None,
         eval_strategy="no",
     )
-    trainer = RewardTrainer(
+    trainer = SharedPrefixRewardTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(train_rows),

@@ -16,7 +16,7 @@ from rlhf.engines.engine import HFEngine, SamplingParams
 from rlhf.engines.vllm_engine import make_vllm
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task, user
+from rlhf.data.tasks import Task
 from rlhf.train.training import fetch_model
 
 ROLLOUT_SCHEMA = pa.schema([
@@ -42,7 +42,7 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
         ctx.log.info("rollout: %d/%d samples", done, total)
         progress.report(ctx.stage, done, total)
 
-    prompts = [[user(p.question)] for p in problems]
+    prompts = [p.messages() for p in problems]
     if cfg.engine == "vllm":
         with make_vllm(cfg, path, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed) as engine:
             gens = engine.generate(prompts, params, on_batch=on_batch)

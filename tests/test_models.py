@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.core.config import ModelConfig, TinyModelConfig
-from rlhf.engines.engine import HFEngine, SamplingParams
+from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 
 
@@ -45,3 +45,36 @@ def test_embedded_default_loads_and_generates():
     out = greedy(model, tok, prompts, max_new_tokens=12)
     assert len(out) == 2 and all(o.strip() for o in out)
     assert "5" in out[0]
+
+
+def test_shared_prompt_prefill_gives_the_same_samples():
+    """Samples of one prompt share its prefill (HFEngine.share_prompts): the same token ids and sampler
+    log-probs as one prefill per sample. Prompts of different lengths (left padding) and a batch size
+    that splits a prompt's samples over two batches."""
+    path = resolve_model(ModelConfig(name="tiny"))
+    model, tok = load_causal_lm(path, ModelConfig(name="tiny")), load_tokenizer(path)
+    prompts = [[{"role": "user", "content": text}] for text in ("1 + 1 =", "12 - 47 =", "what is 3 + 4 + 5?")]
+    params = SamplingParams(temperature=1.0, max_new_tokens=5, n=3, seed=7)
+    shared = HFEngine(model, tok, batch_size=4).generate(prompts, params)
+    plain = HFEngine(model, tok, batch_size=4, share_prompts=False).generate(prompts, params)
+    assert [(g.prompt_index, g.sample_index) for g in shared] == [(i, s) for i in range(3) for s in range(3)]
+    assert [g.token_ids for g in shared] == [g.token_ids for g in plain]
+    for a, b in zip(shared, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # the shared path really ran: each batch's distinct prompts, with the chat template's prefix run once
+    from rlhf.engines import prefix
+
+    calls, original = [], prefix.forward
+    def recording(model, ids, *a, **kw):
+        out, c = original(model, ids, *a, **kw)
+        calls.append((ids.shape[0], c))
+        return out, c
+    prefix.forward = recording
+    try:
+        HFEngine(model, tok, batch_size=4).generate(prompts, params)
+    finally:
+        prefix.forward = original
+    ids = [chat_ids(tok, p) for p in prompts]
+    system_turn = len(chat_ids(tok, [{"role": "system", "content": "x"}], generation_prompt=False)) - 3  # up to 'x<|im_end|>\n'
+    assert calls[0][1] == prefix.common_prefix(ids[:2]) and calls[1][1] == prefix.common_prefix(ids[1:])
+    assert calls[0][1] >= system_turn and calls[-1][1] == 0  # the template's whole system turn is shared

@@ -119,8 +119,9 @@ def test_over_long_pairs_are_reported_by_row(tiny_cfg, tmp_path):
 
 
 def test_reference_pass_projects_only_from_the_first_completion_position(tiny):
-    """pair_logps asks the model for the logits it scores (transformers' logits_to_keep), and the
-    numbers equal a full-logits computation."""
+    """pair_logps asks the model for the logits it scores (transformers' logits_to_keep), runs the rows'
+    shared prompt prefix once (a first forward of one row, projecting one position), and the numbers equal
+    a full-logits computation."""
     path, tok = tiny
     model = load_causal_lm(path, ModelConfig(name="tiny"))
     pairs = [tokenize_pair(tok, r) for r in CONV]
@@ -133,9 +134,10 @@ def test_reference_pass_projects_only_from_the_first_completion_position(tiny):
         [{"prompt_ids": p.prompt_ids, "chosen_ids": p.chosen_ids, "rejected_ids": p.rejected_ids} for p in pairs])
     ids, comp = batch["input_ids"], batch["completion_mask"]
     first = int(comp.any(0).int().argmax())  # first completion token of any row
-    assert rows == [ids.shape[1] - first + 1] and rows[0] < ids.shape[1] / 2
+    assert rows == [1, ids.shape[1] - first + 1] and rows[1] < ids.shape[1] / 2
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1].float()
     full = (torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * comp[:, 1:]).sum(1).double()
-    torch.testing.assert_close(out.chosen, full[: len(pairs)], atol=1e-6, rtol=0)
-    torch.testing.assert_close(out.rejected, full[len(pairs) :], atol=1e-6, rtol=0)
+    # rtol 1e-6: float32 rounding (sums near -100); the shared prefix runs as a pass of its own
+    torch.testing.assert_close(out.chosen, full[: len(pairs)], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.rejected, full[len(pairs) :], atol=1e-6, rtol=1e-6)

@@ -292,9 +292,11 @@ def test_logp_mismatch_by_hand_and_vllm_limits_are_refused(tiny_cfg):
         tiny_cfg("grpo.enabled=true", "rollout.engine=vllm", "grpo.lora.enabled=true")
 
 
-def test_policy_scoring_projects_only_response_positions():
+@pytest.mark.parametrize("shared", [False, True])
+def test_policy_scoring_projects_only_response_positions(shared):
     """forward() asks for the logits of the response positions only (logits_to_keep) and its numbers
-    equal slicing full logits, with left-padded prompts and right-padded responses of mixed lengths."""
+    equal slicing full logits, with left-padded prompts and right-padded responses of mixed lengths; with
+    prompts that share 10 leading tokens (a chat template's), the prefix runs once as its own row."""
     import torch
 
     from rlhf.core.config import ModelConfig
@@ -306,6 +308,9 @@ def test_policy_scoring_projects_only_response_positions():
     gens = [Generation(i, 0, torch.randint(5, 1000, (n,), generator=g).tolist(), [-1.0] * n, "", "length")
             for i, n in enumerate([2, 5, 1, 4])]
     prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (9, 4, 12, 7)]
+    if shared:
+        head = torch.randint(5, 1000, (10,), generator=g).tolist()
+        prompts = [head + p for p in prompts]
     batch = build_batch(prompts, gens, 0)
     model = load_causal_lm(resolve_model(ModelConfig(name="tiny")), ModelConfig(name="tiny"))
     rows = []
@@ -316,7 +321,7 @@ def test_policy_scoring_projects_only_response_positions():
         full = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0)).logits
     p_w, t_w = batch.prompt_width, batch.mask.shape[1]
     want = torch.log_softmax(full[:, p_w - 1 : -1].float() / 0.7, -1).gather(-1, ids[:, p_w:, None])[..., 0]
-    assert rows[0] == t_w + 1 < ids.shape[1] / 2
+    assert rows[:-1] == ([1, t_w + 1] if shared else [t_w + 1]) and t_w + 1 < ids.shape[1] / 2  # the last: full logits above
     torch.testing.assert_close(logp, want, atol=1e-5, rtol=0)
 
 

@@ -99,3 +99,22 @@ def test_worked_solutions_by_hand_and_verified_for_every_problem():
         assert task.score(row["completion"][0]["content"], p) == 1.0
     with pytest.raises(ValueError, match="answer_format: 'worked' solutions exist for reasoning_gym:chain_sum only"):
         DataConfig(task="reasoning_gym:basic_arithmetic", answer_format="worked")
+
+
+def test_system_prompt_reaches_every_prompt_and_the_chat_template():
+    """data.system_prompt: null keeps the chat template's own system turn (SmolLM2's 16 tokens), "" writes
+    an empty one, and every split's prompts, demonstrations and pairs carry it."""
+    from rlhf.core.config import ModelConfig
+    from rlhf.core.models import load_tokenizer, resolve_model
+    from rlhf.engines.engine import chat_ids
+
+    default, empty = Task(DataConfig(train_size=4, eval_size=2, rl_size=2)), Task(DataConfig(train_size=4, eval_size=2, rl_size=2, system_prompt=""))
+    assert default.train[0].messages() == [{"role": "user", "content": default.train[0].question}]
+    for p in empty.train + empty.eval + empty.rl:
+        assert p.messages() == [{"role": "system", "content": ""}, {"role": "user", "content": p.question}]
+    assert empty.sft_rows()[0]["prompt"] == empty.train[0].messages()
+    assert empty.preference_rows()[0]["prompt"] == empty.train[0].messages()
+    tok = load_tokenizer(resolve_model(ModelConfig(name="tiny")))
+    with_default, without = chat_ids(tok, default.train[0].messages()), chat_ids(tok, empty.train[0].messages())
+    assert "SmolLM" in tok.decode(with_default) and "SmolLM" not in tok.decode(without)
+    assert len(with_default) - len(without) == 16

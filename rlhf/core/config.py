@@ -131,6 +131,10 @@ class DataConfig(Strict):
     # SFT demonstrations: the bare answer (direct), or a worked solution that splits each step into tens
     # and units before the answer (worked; chain_sum only): room to reason before the answer
     answer_format: Literal["direct", "worked"] = "direct"
+    # the system turn of every task prompt; null: the chat template's own (SmolLM2's is 16 tokens,
+    # "You are a helpful AI assistant named SmolLM, trained by Hugging Face"); "": an empty one. Users' data
+    # files keep their own conversations
+    system_prompt: str | None = Field(None, max_length=10_000)
     # the verifier's score: 1 for full marks and 0 otherwise, the held-out accuracy's criterion; or (true)
     # reasoning-gym's own, which gives partial credit when the gold answer is a substring of the reply
     # ('-19' for -1 scores 0.67, '12' for 2 scores 0.5): that rewards wrong answers in RL and makes some

@@ -24,6 +24,11 @@ class Problem:
     question: str
     answer: str
     entry: dict  # reasoning-gym's full entry, needed by its score_answer
+    system: str | None = None  # the system turn (data.system_prompt); None: the chat template's default
+
+    def messages(self) -> list[dict]:
+        """The prompt as a conversation: the system turn when one is set, then the question."""
+        return ([{"role": "system", "content": self.system}] if self.system is not None else []) + [user(self.question)]
 
 
 def last_number(text: str) -> str | None:
@@ -50,11 +55,11 @@ class Task:
         # Train and eval come from different seeds; eval drops any question that also appears in
         # train so the held-out score never rewards memorisation.
         train_ds = self._generate(self.cfg.seed, self.cfg.train_size)
-        train = [Problem(f"train-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(train_ds)]
+        train = [Problem(f"train-{i}", e["question"], str(e["answer"]), e, self.cfg.system_prompt) for i, e in enumerate(train_ds)]
         seen = {p.question for p in train}
         eval_ds = self._generate(self.cfg.seed + 1_000_003, self.cfg.eval_size * 2)
         held_out = [e for e in eval_ds if e["question"] not in seen][: self.cfg.eval_size]
-        evals = [Problem(f"eval-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(held_out)]
+        evals = [Problem(f"eval-{i}", e["question"], str(e["answer"]), e, self.cfg.system_prompt) for i, e in enumerate(held_out)]
         return train, evals
 
     @cached_property
@@ -69,7 +74,7 @@ class Task:
             if e["question"] not in seen:
                 seen.add(e["question"])
                 fresh.append(e)
-        return [Problem(f"rl-{i}", e["question"], str(e["answer"]), e) for i, e in enumerate(fresh[: self.cfg.rl_size])]
+        return [Problem(f"rl-{i}", e["question"], str(e["answer"]), e, self.cfg.system_prompt) for i, e in enumerate(fresh[: self.cfg.rl_size])]
 
     @property
     def train(self) -> list[Problem]:
@@ -96,7 +101,7 @@ class Task:
         """Demonstrations: the gold answer as the assistant's reply, or (answer_format 'worked') a worked
         solution ending in it."""
         reply = worked_solution if self.cfg.answer_format == "worked" else (lambda p: p.answer)
-        return [{"prompt": [user(p.question)], "completion": [assistant(reply(p))]} for p in self.train]
+        return [{"prompt": p.messages(), "completion": [assistant(reply(p))]} for p in self.train]
 
     def preference_rows(self) -> list[dict]:
         """Pairs whose chosen answer verifies and whose rejected answer does not (by construction)."""
@@ -114,7 +119,7 @@ class Task:
             else:
                 raise ValueError(f"{self.cfg.task}: could not build an incorrect answer for {p.id}")
             rows.append(
-                {"prompt": [user(p.question)], "chosen": [assistant(p.answer)], "rejected": [assistant(wrong)]}
+                {"prompt": p.messages(), "chosen": [assistant(p.answer)], "rejected": [assistant(wrong)]}
             )
         return rows
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlhf.engines.engine import HFEngine, SamplingParams
-from rlhf.data.tasks import Problem, Task, user
+from rlhf.data.tasks import Problem, Task
 
 
 def verifier_accuracy(model, tokenizer, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 16) -> float:
@@ -11,6 +11,6 @@ def verifier_accuracy(model, tokenizer, task: Task, problems: list[Problem], max
     if not problems:
         return float("nan")
     gens = HFEngine(model, tokenizer, batch_size).generate(
-        [[user(p.question)] for p in problems], SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+        [p.messages() for p in problems], SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     )
     return sum(task.score(g.text, problems[g.prompt_index]) >= 1.0 for g in gens) / len(problems)

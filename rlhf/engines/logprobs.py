@@ -9,7 +9,6 @@ tests/test_ref_cache.py checks both against TRL, so a TRL upgrade that changes e
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,8 @@ from trl.data_utils import common_prefix_length, extract_prompt, is_conversation
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from rlhf.engines.engine import chat_ids
+from rlhf.engines import prefix
+from rlhf.engines.prefix import last_logits_only
 
 
 @contextlib.contextmanager
@@ -115,7 +116,8 @@ def completion_logps(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     scored = completion_mask[:, 1:].bool()
     first = int(scored.any(0).int().argmax()) if bool(scored.any()) else width - 2  # index into the T-1 targets
     kw = last_logits_only(model, width - first)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kw).logits
+    # the rows' shared prompt prefix (chat template, instruction) runs once: rlhf/engines/prefix.py
+    logits = prefix.forward(model, input_ids, attention_mask, keep_from=first, use_cache=False, **kw)[0].logits
     logits = logits[:, -(width - first) : -1].float()  # predictions for targets first..T-2
     logp = input_ids.new_zeros((n, width - 1), dtype=logits.dtype)
     logp[:, first:] = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, first + 1 :].unsqueeze(-1)).squeeze(-1)
@@ -128,13 +130,6 @@ def sequence_logps(model, token_ids: list[int]) -> list[float]:
     ids = torch.tensor([token_ids], device=model.device)
     ones = torch.ones_like(ids)
     return completion_logps(model, ids, ones, ones)[0][0].tolist()
-
-
-def last_logits_only(model, keep: int) -> dict:
-    """Forward kwargs asking for logits of the last `keep` positions only, when the model (or, under PEFT,
-    its base model) takes transformers' `logits_to_keep`; else none: full logits, same numbers."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return {"logits_to_keep": keep} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
 
 
 @torch.no_grad()

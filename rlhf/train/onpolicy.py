@@ -7,7 +7,7 @@ from __future__ import annotations
 from rlhf.core.config import PreferencesConfig
 from rlhf.core.models import load_tokenizer, torch_dtype
 from rlhf.data.pairs import build_pairs, contrast_pairs
-from rlhf.data.tasks import Problem, Task, assistant, user
+from rlhf.data.tasks import Problem, Task, assistant
 from rlhf.engines.engine import SamplingParams
 from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
 
@@ -24,7 +24,7 @@ def make_judge(cfg: PreferencesConfig, task: Task, dtype: str):
         tok = load_tokenizer(cfg.reward_model_path)
 
         def judge(problems, texts, ids):
-            return reward_model_scores(rm, tok, [[user(p.question), assistant(t)] for p, t in zip(problems, texts)])
+            return reward_model_scores(rm, tok, [p.messages() + [assistant(t)] for p, t in zip(problems, texts)])
 
         return judge, f"reward_model:{cfg.reward_model_path}"
     return (lambda problems, texts, ids: [task.score(t, p) for p, t in zip(problems, texts)]), "verifier"
@@ -34,7 +34,7 @@ def sample_and_judge(engine, problems: list[Problem], cfg: PreferencesConfig, ju
                      n: int | None = None) -> list[list]:
     """Per problem, its K (or `n`) generations with scores: [[(generation, score), ...], ...]."""
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, n or cfg.samples_per_prompt, cfg.seed)
-    gens = engine.generate([[user(p.question)] for p in problems], params, on_batch=log_progress)
+    gens = engine.generate([p.messages() for p in problems], params, on_batch=log_progress)
     scores = judge([problems[g.prompt_index] for g in gens], [g.text for g in gens], [g.token_ids for g in gens])
     grouped: list[list] = [[] for _ in problems]
     for g, s in zip(gens, scores):
@@ -60,7 +60,7 @@ def pair_row(problem: Problem, suffix: str, chosen: tuple, rejected: tuple, cfg:
     """One PAIRS_SCHEMA row; chosen and rejected are (sample index, (generation, score))."""
     (c, (c_gen, c_score)), (r, (r_gen, r_score)) = chosen, rejected
     return {
-        "pair_id": f"{problem.id}:{suffix}", "prompt": [user(problem.question)],
+        "pair_id": f"{problem.id}:{suffix}", "prompt": problem.messages(),
         "chosen": [assistant(c_gen.text)], "rejected": [assistant(r_gen.text)],
         "prompt_id": problem.id, "chosen_index": c, "rejected_index": r,
         "chosen_score": float(c_score), "rejected_score": float(r_score), "judge": judge_name,

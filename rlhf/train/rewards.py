@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from rlhf.engines import prefix
+
 
 @torch.no_grad()
 def reward_model_scores(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16) -> list[float]:
@@ -20,7 +22,8 @@ def reward_model_scores(model, tokenizer, conversations: list[list[dict]], batch
         for start in range(0, len(conversations), batch_size):
             texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in conversations[start : start + batch_size]]
             enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            scores += model(**enc).logits[:, 0].float().tolist()
+            out, _ = prefix.forward(model, enc["input_ids"], enc["attention_mask"])  # shared prompt prefix once
+            scores += out.logits[:, 0].float().tolist()
     finally:
         tokenizer.padding_side = side
     return scores

@@ -30,13 +30,15 @@ from trl.trainer.utils import disable_dropout_in_model
 from rlhf.core import dist, progress, tracking
 from rlhf.maths import rl_math
 from rlhf.engines.engine import Engine, HFEngine, SamplingParams, chat_ids
+from rlhf.engines.prefix import forward as shared_prefix_forward
+from rlhf.engines.prefix import last_logits_only, pad_after_prefix, positions
 from rlhf.engines.generation import verifier_accuracy
-from rlhf.engines.logprobs import last_logits_only, sequence_logps
+from rlhf.engines.logprobs import sequence_logps
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
 from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task, assistant, user
+from rlhf.data.tasks import Task, assistant
 from rlhf.train.training import (
     CRASH_ENV,
     METRICS_SCHEMA,
@@ -74,7 +76,7 @@ class RLGuardError(RuntimeError):
 class Batch:
     """One iteration's experience. B = prompts x samples per prompt, P = longest prompt, T = longest response."""
 
-    input_ids: torch.Tensor  # [B, P + T] left-padded prompt | right-padded response
+    input_ids: torch.Tensor  # [B, P + T] prompt (shared prefix | padding | rest: prefix.pad_after_prefix) | right-padded response
     attention_mask: torch.Tensor  # [B, P + T]
     mask: torch.Tensor  # [B, T] 1 on response tokens
     logp_rollout: torch.Tensor  # [B, T] sampler's log-probs
@@ -101,29 +103,33 @@ class Batch:
 
 
 def build_batch(prompt_ids: list[list[int]], gens, pad_id: int) -> Batch:
-    p_w, t_w = max(len(p) for p in prompt_ids), max(max(len(g.token_ids) for g in gens), 1)
-    b = len(gens)
-    ids = torch.full((b, p_w + t_w), pad_id, dtype=torch.long)
-    attn, mask, lp = torch.zeros_like(ids), torch.zeros(b, t_w), torch.zeros(b, t_w)
-    for i, (p, g) in enumerate(zip(prompt_ids, gens)):
-        n = len(g.token_ids)
-        ids[i, p_w - len(p) : p_w], attn[i, p_w - len(p) : p_w] = torch.tensor(p), 1
-        if n:
+    """Prompts as [shared prefix | padding | rest] (prefix.pad_after_prefix: left padding when the prompts
+    share nothing), then the responses, right-padded."""
+    prompts, prompt_mask, _ = pad_after_prefix(prompt_ids, pad_id)
+    t_w = max(max(len(g.token_ids) for g in gens), 1)
+    b, p_w = len(gens), prompts.shape[1]
+    ids = torch.cat([prompts, torch.full((b, t_w), pad_id, dtype=torch.long)], 1)
+    attn = torch.cat([prompt_mask, torch.zeros(b, t_w, dtype=torch.long)], 1)
+    mask, lp = torch.zeros(b, t_w), torch.zeros(b, t_w)
+    for i, g in enumerate(gens):
+        if n := len(g.token_ids):
             ids[i, p_w : p_w + n], attn[i, p_w : p_w + n], mask[i, :n] = torch.tensor(g.token_ids), 1, 1
             lp[i, :n] = torch.tensor(g.logprobs)
     return Batch(ids, attn, mask, lp)
 
 
 def forward(model, batch: Batch, rows, temperature: float, values: bool = False):
-    """Token log-probs (or critic values) of the response positions for the selected rows: [b, T]."""
+    """Token log-probs (or critic values) of the response positions for the selected rows: [b, T]. The
+    policy's passes run the rows' shared prompt prefix once (rlhf/engines/prefix.py)."""
     ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
-    pos = (attn.cumsum(1) - 1).clamp(min=0)  # left padding: positions count real tokens only
+    pos = positions(attn)  # padding before the prompt's rest: positions count real tokens only
     p_w, t_w = batch.prompt_width, batch.mask.shape[1]
     if values:
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
         return out.logits[:, p_w - 1 : p_w - 1 + t_w, 0].float()
     # Only the last t_w + 1 positions predict response tokens: the prompt rows skip the vocabulary projection.
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **last_logits_only(model, t_w + 1))
+    out, _ = shared_prefix_forward(model, ids, attn, pos, keep_from=p_w - 1, use_cache=False,
+                                   **last_logits_only(model, t_w + 1))
     logits = out.logits[:, -(t_w + 1) : -1].float() / max(temperature, 1e-6)
     targets = ids[:, p_w:]
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits
@@ -246,7 +252,7 @@ def make_reward(cfg, task: Task, scorers):
         if cfg.reward_source in ("verifier", "sum"):
             total += torch.tensor([task.score(t, p) for t, p in zip(texts, problems)])
         if rm_scores is not None:
-            total += torch.tensor(rm_scores([[user(p.question), assistant(t)] for t, p in zip(texts, problems)]))
+            total += torch.tensor(rm_scores([p.messages() + [assistant(t)] for t, p in zip(texts, problems)]))
         return total
 
     return reward
@@ -378,7 +384,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                 end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
                 continue
         probs = [problems[g.prompt_index] for g in gens]
-        prompt_ids = [chat_ids(tok, [user(p.question)]) for p in probs]
+        prompt_ids = [chat_ids(tok, p.messages()) for p in probs]
         batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
         with autocast(pcfg.model, device.type):
             # the sampler's log-probs already are the pre-update policy's (config says when that holds)
@@ -478,7 +484,7 @@ class SyncedVLLM:
         self.ctx, self.roll = ctx, ctx.cfg.rollout
         self.folder = ctx.workdir / "engine-weights"
         # probe: a fixed prompt and its gold answer
-        self.probe = chat_ids(tok, [user(problem.question), assistant(problem.answer)], generation_prompt=False)
+        self.probe = chat_ids(tok, problem.messages() + [assistant(problem.answer)], generation_prompt=False)
         self.engine = make_vllm(self.roll, init, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed)
         if stale:  # resumed: the engine started from `init`, the policy from a checkpoint
             self.sync(policy)
@@ -558,7 +564,7 @@ def generate_and_score(engine, problems, params: SamplingParams, reward) -> tupl
     """Samples and rewards of the iteration, ordered by (prompt, sample). Each rank generates and scores
     its share of the engine's batches (the engine seeds each batch by its global index, so the union
     is the one-process output) and the shares are gathered: advantages always see whole groups."""
-    mine = engine.generate([[user(p.question)] for p in problems], params, shard=(dist.rank(), dist.world_size()))
+    mine = engine.generate([p.messages() for p in problems], params, shard=(dist.rank(), dist.world_size()))
     mine_scores = reward([problems[g.prompt_index] for g in mine], mine).tolist() if mine else []
     pairs = sorted((pair for part in dist.all_gather(list(zip(mine, mine_scores))) for pair in part),
                    key=lambda pair: (pair[0].prompt_index, pair[0].sample_index))
