@@ -18,6 +18,7 @@ from trl import DPOTrainer
 
 from rlhf.core.config import DPOConfig
 from rlhf.engines.logprobs import CompletionOnlyScoring
+from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
@@ -28,9 +29,10 @@ from rlhf.train.training import TrainerRun, start_model, trainer_kwargs
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-class CachedRefDPOTrainer(CompletionOnlyScoring, DPOTrainer):
+class CachedRefDPOTrainer(SharedPrefixLoss, CompletionOnlyScoring, DPOTrainer):
     """DPOTrainer whose reference log-probs always come from the dataset (our durable cache), scoring
-    completion positions only (rlhf/engines/logprobs.py `completion_only_scoring`)."""
+    completion positions only (rlhf/engines/logprobs.py `completion_only_scoring`), with each batch's shared
+    prompt prefix run once (rlhf/engines/prefix.py)."""
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
         missing = [c for c in REF_COLUMNS if c not in dataset.column_names]

@@ -14,6 +14,7 @@ from rlhf.core import dist
 from rlhf.core.config import SFTConfig
 from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import CompletionOnlyScoring
+from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.pairs import demonstrations
 from rlhf.core.stage import StageContext, StageResult
@@ -21,9 +22,10 @@ from rlhf.data.tasks import Task
 from rlhf.train.training import TrainerRun, trainer_kwargs
 
 
-class CompletionScoredSFTTrainer(CompletionOnlyScoring, SFTTrainer):
+class CompletionScoredSFTTrainer(SharedPrefixLoss, CompletionOnlyScoring, SFTTrainer):
     """SFTTrainer whose fused LM head projects only the positions the loss reads (the completion, by
-    default) on the CPU too, as TRL already does on GPUs."""
+    default) on the CPU too, as TRL already does on GPUs, and whose batches run their shared prompt prefix
+    once (rlhf/engines/prefix.py)."""
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:

@@ -178,3 +178,16 @@ def test_derived_batch_counts_every_process():
     """Two data-parallel ranks: an optimizer step takes 8 rows x 2 ranks, so 384 rows are 24 steps."""
     d = derived_quantities(load_config(CONFIG, "default", ["sft.launch.processes=2"]))
     assert d["sft"]["samples_per_optimizer_step"] == 16 and d["sft"]["optimizer_steps"] == 24
+
+
+def test_rl_init_from_adds_its_stage_to_the_inputs_and_needs_it_enabled():
+    """grpo.init_from: dpo starts the RL loop from the DPO policy (SFT -> DPO -> RLVR): dpo becomes an input,
+    so its key is part of GRPO's; naming a disabled stage is refused with the key path."""
+    from rlhf.core.registry import stage_inputs
+
+    assert stage_inputs(load_config(CONFIG), "grpo") == ["sft"]
+    assert stage_inputs(load_config(CONFIG, overrides=["grpo.init_from=dpo"]), "grpo") == ["sft", "dpo"]
+    with pytest.raises(ConfigError, match=r"grpo.init_from: 'kto' needs kto.enabled: true"):
+        load_config(CONFIG, overrides=["grpo.init_from=kto"])
+    with pytest.raises(ConfigError, match=r"ppo.init_from"):
+        load_config(CONFIG, overrides=["ppo.enabled=true", "ppo.init_from=rlhf"])

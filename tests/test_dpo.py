@@ -106,7 +106,8 @@ def test_trainer_refuses_an_on_the_fly_reference_pass(tmp_path):
 
 def test_completion_only_scoring_changes_no_number_and_projects_only_completions(tmp_path, monkeypatch):
     """The DPO stage's trainer scores completion positions only on the CPU (TRL scores every position
-    there and masks): same loss and same gradients as TRL's own scoring, far fewer projected rows."""
+    there and masks) and runs the batch's shared prompt prefix once: same loss and same gradients as TRL's
+    own forward and scoring, far fewer projected rows."""
     import trl.trainer.utils as trl_utils
 
     path = resolve_model(ModelConfig(name="tiny"))
@@ -124,14 +125,21 @@ def test_completion_only_scoring_changes_no_number_and_projects_only_completions
         trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
         model.eval()
+        rows_in = []
+        hook = model.model.embed_tokens.register_forward_hook(lambda mod, inp, out: rows_in.append(inp[0].shape[0]))
         with trainer.compute_loss_context_manager():
             loss = trainer.compute_loss(model, batch)
+        hook.remove()
+        assert rows_in == ([len(rows) * 2] if trainer_cls is AllPositions else [1, len(rows) * 2])  # ours: prefix once
         loss.backward()
         return loss.item(), {n: p.grad for n, p in model.named_parameters()}, batch
 
     class AllPositions(CachedRefDPOTrainer):  # TRL's CPU behaviour: every position through the vocabulary
         def compute_loss_context_manager(self):
             return trl_dpo.DPOTrainer.compute_loss_context_manager(self)
+
+        def compute_loss(self, model, inputs, *args, **kwargs):  # and TRL's whole-row forward (no shared prefix)
+            return trl_dpo.DPOTrainer.compute_loss(self, model, inputs, *args, **kwargs)
 
     theirs, their_grads, batch = loss_and_grads(AllPositions)
     ours, our_grads, _ = loss_and_grads(CachedRefDPOTrainer)

@@ -149,3 +149,48 @@ def test_reward_trainer_with_a_shared_prefix_gives_trl_s_loss_and_gradients(tmp_
     torch.testing.assert_close(ours_loss, trl_loss, atol=1e-6, rtol=1e-5)
     for name in trl_grads:
         torch.testing.assert_close(ours_grads[name], trl_grads[name], atol=1e-6, rtol=1e-3)
+
+
+def test_sft_trainer_with_a_shared_prefix_gives_trl_s_loss_and_gradients(tmp_path):
+    """stages/sft.py's trainer on one collated batch of chain_sum demonstrations: the loss, the gradients
+    and the logged token metrics of TRL's own forward (fused LM head, completion-only labels), with the
+    shared prefix run once and the fused head's per-token fields padded back to the full width."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from rlhf.core.config import DataConfig
+    from rlhf.core.models import load_tokenizer
+    from rlhf.data.tasks import Task
+    from rlhf.engines.logprobs import CompletionOnlyScoring
+    from stages.sft import CompletionScoredSFTTrainer
+
+    class Plain(CompletionOnlyScoring, SFTTrainer):
+        pass
+
+    path = resolve_model(TINY)
+    tok = load_tokenizer(path)
+    rows = Task(DataConfig(train_size=6, eval_size=1)).sft_rows()
+    results = []
+    for cls in (Plain, CompletionScoredSFTTrainer):
+        model = load_causal_lm(path, TINY, trained=True)
+        trainer = cls(model=model, args=SFTConfig(output_dir=str(tmp_path / cls.__name__), report_to=[], max_length=128,
+                                                  use_cpu=True, bf16=False, completion_only_loss=True),
+                      train_dataset=Dataset.from_list(rows), processing_class=tok)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(6)])
+        calls = []
+        hook = model.model.embed_tokens.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(model, dict(batch))
+        hook.remove()
+        assert calls == ([6] if cls is Plain else [1, 6])  # ours: the prefix as one row, then the rest
+        loss.backward()
+        logged = trainer._metrics["train" if model.training else "eval"]
+        metrics = {k: v[-1] for k, v in logged.items() if k in ("entropy", "mean_token_accuracy")}
+        results.append((loss.detach(), grads(model), metrics))
+    (trl_loss, trl_grads, trl_metrics), (ours_loss, ours_grads, ours_metrics) = results
+    torch.testing.assert_close(ours_loss, trl_loss, atol=1e-6, rtol=1e-5)
+    assert ours_metrics.keys() == trl_metrics.keys() == {"entropy", "mean_token_accuracy"}
+    for k in trl_metrics:
+        assert ours_metrics[k] == pytest.approx(trl_metrics[k], rel=1e-4, abs=1e-6)
+    for name in trl_grads:
+        torch.testing.assert_close(ours_grads[name], trl_grads[name], atol=1e-6, rtol=1e-3)

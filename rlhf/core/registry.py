@@ -47,7 +47,8 @@ def _rl_inputs(name: str) -> Callable:
     def inputs(cfg) -> list[str]:
         rl = cfg.stage(name)
         rm = rl.reward_source in ("reward_model", "sum") or getattr(rl, "critic_init", "") == "reward_model"
-        return [*_sft(cfg), *(["reward_model"] if rm else [])]
+        start = [] if rl.init_from == "sft" else [rl.init_from]
+        return sorted({*_sft(cfg), *start, *(["reward_model"] if rm else [])}, key=NAMES.index)
     return inputs
 
 

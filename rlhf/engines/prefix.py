@@ -74,46 +74,73 @@ def can_share(model) -> bool:
 
 
 def forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-            keep_from: int | None = None, **kwargs):
-    """model(input_ids, attention_mask, position_ids, **kwargs), with the rows' shared leading columns run
-    once. The output covers the columns from the prefix's end on: callers index it from the right, and
-    `keep_from` (the first column whose output they read) bounds the prefix. Returns (output, prefix length).
+            keep_from: int | None = None, columns: dict[str, torch.Tensor] | None = None, **kwargs):
+    """model(input_ids, attention_mask, position_ids, **columns, **kwargs), with the rows' shared leading
+    columns run once. The output covers the columns from the prefix's end on: callers index it from the
+    right, and `keep_from` (the first column whose output they read) bounds the prefix. `columns`: other
+    per-column inputs ([N, W], e.g. labels), cut like input_ids. Returns (output, prefix length).
     Without position_ids the rows are taken to start at column 0 (right padding)."""
     from transformers import DynamicCache
 
+    columns = columns or {}
     n, width = input_ids.shape
     limit = width - 1 if keep_from is None else keep_from
     c = shared_columns(input_ids, attention_mask, limit) if n > 1 and can_share(model) else 0
-    if c == 0:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs), 0
-    pos = position_ids if position_ids is not None else torch.arange(width, device=input_ids.device).expand(n, width)
-    head = model(input_ids=input_ids[:1, :c], attention_mask=attention_mask[:1, :c], position_ids=pos[:1, :c],
-                 use_cache=True, **last_logits_only(model, 1))
-    cache = getattr(head, "cache", None)
-    if type(cache) is not DynamicCache:  # another cache type (sliding window, state space): no sharing
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs), 0
-    cache.batch_repeat_interleave(n)
-    kwargs = {**kwargs, "use_cache": True}
-    out = model(input_ids=input_ids[:, c:], attention_mask=attention_mask, position_ids=pos[:, c:], cache=cache, **kwargs)
-    return out, c
+    if c > 0:
+        pos = position_ids if position_ids is not None else torch.arange(width, device=input_ids.device).expand(n, width)
+        head = model(input_ids=input_ids[:1, :c], attention_mask=attention_mask[:1, :c], position_ids=pos[:1, :c],
+                     use_cache=True, **last_logits_only(model, 1))
+        cache = getattr(head, "cache", None)
+        if type(cache) is DynamicCache:  # another cache type (sliding window, state space): no sharing
+            cache.batch_repeat_interleave(n)
+            rest = {k: v[:, c:] for k, v in columns.items()}
+            kwargs = {**kwargs, "use_cache": True}
+            out = model(input_ids=input_ids[:, c:], attention_mask=attention_mask, position_ids=pos[:, c:], cache=cache,
+                        **rest, **kwargs)
+            return out, c
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **columns, **kwargs), 0
+
+
+FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 
 
 class SharedPrefixModel:
-    """A callable stand-in for a model inside a Trainer's compute_loss: `model(**inputs)` runs the batch's
-    shared prefix once (`forward`) and returns the model's output for the columns after it. For losses
-    that read one pooled output per row (the reward model's score), which do not depend on the columns
-    dropped; compute_loss touches nothing else of the model it is given."""
+    """A callable stand-in for a model inside a TRL trainer's compute_loss: `model(**inputs)` runs the
+    batch's shared prefix once (`forward`). Two output shapes allow it:
+    - TRL's fused LM head (`fused_lm_head=True` with labels: SFT, DPO) returns per-token fields for the
+      positions with a label; the prefix ends before the first one, and the fields come back zero-padded
+      to the full width, as TRL returns them for unlabelled positions;
+    - a sequence classifier (the reward model) returns one pooled score per row.
+    Anything else runs the plain forward. compute_loss touches nothing else of the model it is given."""
 
     def __init__(self, model):
         self.model = model
 
-    def __call__(self, input_ids, attention_mask, **kwargs):
-        return forward(self.model, input_ids, attention_mask, **kwargs)[0]
+    def __call__(self, input_ids, attention_mask=None, labels=None, fused_lm_head=False, **kwargs):
+        model = self.model
+        if fused_lm_head:
+            kwargs["fused_lm_head"] = True
+        if attention_mask is None:
+            return model(input_ids=input_ids, labels=labels, **kwargs)
+        if fused_lm_head and labels is not None:
+            scored = (labels[:, 1:] != -100).any(0)  # target columns 1..W-1
+            first = int(scored.int().argmax()) + 1 if bool(scored.any()) else input_ids.shape[1] - 1
+            # the last prefix column must not predict a label: hidden state j scores the label at j + 1
+            out, c = forward(model, input_ids, attention_mask, keep_from=first - 1, columns={"labels": labels}, **kwargs)
+            for name in FUSED_FIELDS:
+                value = getattr(out, name, None)
+                if c and isinstance(value, torch.Tensor) and value.dim() == 2:
+                    setattr(out, name, torch.cat([value.new_zeros(value.shape[0], c), value], 1))
+            return out
+        if type(model).__name__.endswith("ForSequenceClassification"):  # also PEFT's PeftModelForSequenceClassification
+            return forward(model, input_ids, attention_mask, labels=labels, **kwargs)[0]
+        return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
 
 
 class SharedPrefixLoss:
-    """Trainer mixin: compute_loss sees the model through SharedPrefixModel (TRL's RewardTrainer: every
-    pair's chosen and rejected rows, and every row of a batch, share the chat template's prefix)."""
+    """Trainer mixin: compute_loss sees the model through SharedPrefixModel (TRL's SFT, DPO and reward
+    trainers: every row of a batch, and a pair's chosen and rejected rows, share the chat template's
+    prefix). Equal losses and gradients: tests/test_prefix.py compares each with TRL's own."""
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         return super().compute_loss(SharedPrefixModel(model), inputs, *args, **kwargs)

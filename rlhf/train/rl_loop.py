@@ -315,7 +315,7 @@ def guard(algo: str, it: int, name: str, value: float, limit: float | None = Non
 # ---- the loop ---------------------------------------------------------------------------------------
 def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     spec, pcfg, roll = ALGORITHMS[algo], ctx.cfg, ctx.cfg.rollout
-    init = start_model(ctx)
+    init = start_model(ctx, cfg.init_from)
     found = latest_checkpoint(ctx)
     resume = found[1] if found else None
     tok = load_tokenizer(init)
@@ -519,7 +519,7 @@ def engine_host(cfg, ctx: StageContext):
     """What the engine actor of `launch.ray.engine: own` runs (rlhf/pipeline/ray_launch.py): a copy of the
     policy as the RL loop builds it and the configured engine over it. Returns (engine, policy copy, the
     mixed-precision context); the trainer's weights arrive by sync before the first sample."""
-    init = start_model(ctx)
+    init = start_model(ctx, cfg.init_from)
     tok = load_tokenizer(init)
     policy = load_policy(cfg, init, None, ctx.cfg.model).to(ctx_device()).eval().requires_grad_(False)
     task = Task(ctx.cfg.data)
@@ -536,7 +536,7 @@ class LocalScorers:
     def __init__(self, cfg, ctx: StageContext, init: str | None = None):
         frozen = cfg.frozen_models()
         if init is None and "reference" in frozen:
-            init = start_model(ctx)
+            init = start_model(ctx, cfg.init_from)
         self.device = ctx_device()
         self.ref = (load_causal_lm(init, ctx.cfg.model).to(self.device).eval().requires_grad_(False)
                     if "reference" in frozen else None)

@@ -258,9 +258,12 @@ def fetch_model(ctx, stage: str, output: str = "model") -> str:
     return str(local)
 
 
-def start_model(ctx) -> str:
+def start_model(ctx, init_from: str = "sft") -> str:
     """The model a policy-training stage starts from (and, for DPO, KTO and RL, its reference): SFT's
-    when the sft stage ran, else the configured base model."""
+    when the sft stage ran, else the configured base model; an RL stage's `init_from` stage (dpo, kto)
+    when it names one."""
+    if init_from != "sft":
+        return fetch_model(ctx, init_from)
     return fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
 
 
