@@ -396,3 +396,21 @@ def test_refill_samples_fresh_prompts_until_the_groups_are_informative(tiny_cfg)
     assert trained[0] < 6 and trained[0] < trained[3] <= 6
     with pytest.raises(ConfigError, match="refill_rounds: refills the groups skip_uniform_groups drops"):
         rl_cfg(tiny_cfg, "grpo", "grpo.refill_rounds=2", "grpo.skip_uniform_groups=false")
+
+
+def test_grpo_init_from_dpo_starts_from_the_dpo_policy(tiny_cfg, monkeypatch):
+    """grpo.init_from: dpo (SFT -> DPO -> RLVR): the loop loads the DPO stage's model as its policy and
+    reference, and DPO's key is part of GRPO's inputs."""
+    import rlhf.train.rl_loop as rl
+
+    cfg = tiny_cfg(*only("sft", "ref_logprobs", "dpo", "grpo"), *ONLY_RL, "grpo.init_from=dpo", "grpo.iterations=1",
+                   "grpo.prompts_per_iteration=2", "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.eval_prompts=0")
+    for stage in ("sft", "ref_logprobs"):
+        execute_stage(cfg, stage)
+    dpo = execute_stage(cfg, "dpo")
+    loaded = []
+    real = rl.load_policy
+    monkeypatch.setattr(rl, "load_policy", lambda c, init, resume, m: loaded.append(init) or real(c, init, resume, m))
+    grpo = execute_stage(cfg, "grpo")
+    assert len(loaded) == 1 and Path(loaded[0]).parts[-2:] == ("dpo", "model")
+    assert grpo["inputs"]["dpo"] == dpo["key"] and "sft" in grpo["inputs"]
