@@ -567,8 +567,8 @@ class RLOptions(Placement):
 
     enabled: bool = False  # run this RL stage
     # the policy it starts from, which is also its reference (KL term; with LoRA, the adapters off): the SFT
-    # policy, or the DPO / KTO policy trained from it, so that RL with verifiable rewards follows preference
-    # tuning as in Tulu 3 (Lambert et al. 2024: SFT -> DPO -> RLVR)
+    # policy (the base model when sft is off), or the DPO / KTO policy trained from it, so that RL with
+    # verifiable rewards follows preference tuning as in Tulu 3 (Lambert et al. 2024: SFT -> DPO -> RLVR)
     init_from: Literal["sft", "dpo", "kto"] = "sft"
     iterations: int = Field(20, ge=1, le=10_000_000)  # rollout -> reward -> update rounds
     prompts_per_iteration: int = Field(8, ge=1)  # training prompts sampled per iteration
@@ -799,7 +799,7 @@ class PipelineConfig(Strict):
                 raise ValueError(f"eval.judge: {self.eval.judge!r} needs reward_model.enabled: true")
         for name in ("ppo", "grpo"):
             rl = self.stage(name)
-            if rl.enabled and not self.stage(rl.init_from).enabled:
+            if rl.enabled and rl.init_from != "sft" and not self.stage(rl.init_from).enabled:
                 raise ValueError(f"{name}.init_from: {rl.init_from!r} needs {rl.init_from}.enabled: true")
             if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
                 raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
