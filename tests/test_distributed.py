@@ -120,7 +120,12 @@ def assert_rl_equal(tmp_path, algo: str, *two: str, both: tuple[str, ...] = ()) 
     one, two = rl_metrics(urls["one"], algo), rl_metrics(urls["two"], algo)
     assert one.keys() == two.keys() and (3, "reward_mean") in one
     for key in one:  # rewards, KL, losses (value loss too for PPO): the same numbers
-        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+        # logp_mismatch_* measure float32 rounding itself (sampler vs trainer, both ~1e-6): each rank scores
+        # its own rows, so a batch's shared prompt prefix spans other rows than in one process and the
+        # rounding differs by a few ulps of a log-prob near -10 (measured 1.1e-6 vs 2.9e-6). Stale weights
+        # or a lost sync show 1e-3 and more (tests/test_vllm.py's bound).
+        tol = 1e-5 if key[1].startswith("logp_mismatch") else 1e-6
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=tol), key
 
 
 @pytest.mark.slow
