@@ -33,7 +33,8 @@ def ours(model: str, iterations: int, logp_old: str = "recompute") -> dict:
         # Like for like with TRL: its prompts (the training problems), every group trained on.
         overrides = [f"storage.url={store}", f"model.name={model}", "run.name=bench", f"grpo.logp_old={logp_old}",
                      "data.rl_size=0", "grpo.skip_uniform_groups=false",
-                     "grpo.lora.enabled=false"]  # full weights, as the TRL side trains
+                     "grpo.lora.enabled=false",  # full weights, as the TRL side trains
+                     "grpo.init_from=sft"]  # from the model itself (no DPO stage here), as TRL starts
         overrides += [f"{s}.enabled=false" for s in STAGES if s != "grpo"]
         overrides += ["grpo.enabled=true", f"grpo.iterations={iterations}", "grpo.prompts_per_iteration=8", "grpo.group_size=4",
                       "grpo.minibatch_size=32", "grpo.epochs=1", "grpo.beta=0.04", "grpo.eval_prompts=0",

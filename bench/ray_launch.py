@@ -28,7 +28,7 @@ COMMON = ["sft.enabled=true", "sft.per_device_batch_size=4", "sft.max_steps=8", 
                                        ("preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")]
 LAUNCHERS = {"torchrun": [], "ray": ["sft.launch.backend=ray", "sft.launch.ray.strategy=STRICT_SPREAD"]}
 RAY_RL = ["grpo.launch.backend=ray", "grpo.launch.ray.strategy=STRICT_SPREAD"]
-RL = {"common": [f"{s}.enabled={'true' if s == 'grpo' else 'false'}" for s in
+RL = {"common": ["grpo.init_from=sft"] + [f"{s}.enabled={'true' if s == 'grpo' else 'false'}" for s in
                  ("sft", "preferences", "reward_model", "ref_logprobs", "dpo", "kto", "ppo", "grpo", "rollout", "eval")]
       + ["grpo.iterations=4", "grpo.prompts_per_iteration=4", "grpo.group_size=4", "grpo.minibatch_size=16",
          "grpo.beta=0.1", "grpo.eval_prompts=0", "rollout.max_new_tokens=16"],

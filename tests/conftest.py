@@ -174,8 +174,10 @@ def tiny_cfg(tmp_path):
 
 
 def only(*stages: str) -> list[str]:
-    """Overrides that enable exactly these stages (others off), for tests of one stage."""
-    return [f"{s}.enabled={'true' if s in stages else 'false'}" for s in STAGES]
+    """Overrides that enable exactly these stages (others off), for tests of one stage. Without dpo, GRPO
+    starts from SFT (the default profile's starts from DPO)."""
+    return [f"{s}.enabled={'true' if s in stages else 'false'}" for s in STAGES] + (
+        [] if "dpo" in stages else ["grpo.init_from=sft"])
 
 
 # a GRPO short enough to crash after iteration 2 (checkpointed) and resume for iterations 3 and 4

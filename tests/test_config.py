@@ -181,12 +181,15 @@ def test_derived_batch_counts_every_process():
 
 
 def test_rl_init_from_adds_its_stage_to_the_inputs_and_needs_it_enabled():
-    """grpo.init_from: dpo starts the RL loop from the DPO policy (SFT -> DPO -> RLVR): dpo becomes an input,
-    so its key is part of GRPO's; naming a disabled stage is refused with the key path."""
+    """grpo.init_from: dpo (the default profile's) starts the RL loop from the DPO policy (SFT -> DPO -> RLVR):
+    dpo is an input, so its key is part of GRPO's; a disabled init stage is refused with the key path and the
+    way out."""
     from rlhf.core.registry import stage_inputs
 
-    assert stage_inputs(load_config(CONFIG), "grpo") == ["sft"]
-    assert stage_inputs(load_config(CONFIG, overrides=["grpo.init_from=dpo"]), "grpo") == ["sft", "dpo"]
+    assert stage_inputs(load_config(CONFIG), "grpo") == ["sft", "dpo"]  # the default profile's chain
+    assert stage_inputs(load_config(CONFIG, overrides=["grpo.init_from=sft"]), "grpo") == ["sft"]
+    with pytest.raises(ConfigError, match=r"grpo.init_from: 'dpo' needs dpo.enabled: true \(or grpo.init_from: sft\)"):
+        load_config(CONFIG, overrides=["dpo.enabled=false", "eval.policies=[base,sft,grpo]"])
     with pytest.raises(ConfigError, match=r"grpo.init_from: 'kto' needs kto.enabled: true"):
         load_config(CONFIG, overrides=["grpo.init_from=kto"])
     with pytest.raises(ConfigError, match=r"ppo.init_from"):

@@ -800,7 +800,8 @@ class PipelineConfig(Strict):
         for name in ("ppo", "grpo"):
             rl = self.stage(name)
             if rl.enabled and rl.init_from != "sft" and not self.stage(rl.init_from).enabled:
-                raise ValueError(f"{name}.init_from: {rl.init_from!r} needs {rl.init_from}.enabled: true")
+                raise ValueError(f"{name}.init_from: {rl.init_from!r} needs {rl.init_from}.enabled: true "
+                                 f"(or {name}.init_from: sft)")
             if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
                 raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
             if rl.enabled and rl.launch.ray.scorers == "own" and not rl.frozen_models():
