@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from rlhf.core.loader import load_config  # noqa: E402
+from rlhf.core.registry import NAMES  # noqa: E402
 from rlhf.core.store import ArtifactStore  # noqa: E402
 from rlhf.data.schemas import SCHEMAS  # noqa: E402
 from rlhf.maths.bradley_terry import paired_accuracy_diff  # noqa: E402
@@ -62,7 +63,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "pipeline.yaml"))
     ap.add_argument("--profile", default="default")
     ap.add_argument("--store", default=str(REPO / "data" / "artifacts"), help="the finished run's local store")
-    ap.add_argument("--stages", nargs="+", required=True, help="the stages to run again per seed, in DAG order")
+    ap.add_argument("--stages", nargs="+", required=True, choices=[n for n in NAMES if n != "eval"],
+                    help="the stages to run again per seed (run in DAG order)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--policies", nargs="+", default=["sft", "grpo"])
     ap.add_argument("--baseline", default="sft")
@@ -78,18 +80,21 @@ def main() -> None:
         ap.error(f"--store {src}: no run {run!r} there (run `rlhf run` first)")
     root = Path(args.keep or tempfile.mkdtemp(prefix="rlhf-seeds-"))
     pooled = []
-    for seed in args.seeds:
-        dst = root / f"seed{seed}"
-        shutil.rmtree(dst, ignore_errors=True)
-        copy_run(src, dst, run, {*args.stages, "eval"})
-        cfg = load_config(args.config, args.profile, [f"storage.url={dst}", f"run.seed={seed}", *args.set,
-                                                      "eval.judge=verifier", f"eval.policies=[{','.join(args.policies)}]"])
-        times = {s: execute_stage(cfg, s)["timings"]["seconds"] for s in [*args.stages, "eval"]}
-        correct = correct_by_policy(ArtifactStore(cfg.storage), run, args.policies)
-        pooled.append(correct)
-        print(json.dumps({"seed": seed, **diffs(correct, args.baseline), "seconds": times}), flush=True)
+    try:
+        for seed in args.seeds:
+            dst = root / f"seed{seed}"
+            shutil.rmtree(dst, ignore_errors=True)
+            copy_run(src, dst, run, {*args.stages, "eval"})
+            cfg = load_config(args.config, args.profile, [f"storage.url={dst}", f"run.seed={seed}", *args.set, "eval.judge=verifier",
+                                                          f"eval.policies=[{','.join(args.policies)}]"])
+            stages = [s for s in NAMES if s in args.stages] + ["eval"]
+            times = {s: execute_stage(cfg, s)["timings"]["seconds"] for s in stages}
+            correct = correct_by_policy(ArtifactStore(cfg.storage), run, args.policies)
+            pooled.append(correct)
+            print(json.dumps({"seed": seed, **diffs(correct, args.baseline), "seconds": times}), flush=True)
+    finally:  # a copy of the store per seed: gigabytes, so none is left behind unless asked for
         if not args.keep:
-            shutil.rmtree(dst)
+            shutil.rmtree(root, ignore_errors=True)
     mean = {p: np.mean([c[p] for c in pooled], axis=0) for p in args.policies}
     print(json.dumps({"pooled_seeds": args.seeds, **diffs(mean, args.baseline)}))
 
