@@ -32,8 +32,11 @@ from rlhf.pipeline.runner import execute_stage  # noqa: E402
 
 
 def copy_run(src: Path, dst: Path, run: str, rerun: set[str]) -> None:
-    """The finished store without the stages that will run again (and without the run's lock)."""
+    """The run's folder without the stages that will run again (and without its lock), plus the store's own
+    `_` entries (the shared reference cache); other runs in the store are not copied."""
     def skip(folder: str, names: list[str]) -> set[str]:
+        if Path(folder) == src:
+            return {n for n in names if n != run and not n.startswith("_")}
         if Path(folder) == src / run:
             return {n for n in names if n in rerun or n == "_lock.json"}
         return set()
@@ -79,6 +82,7 @@ def main() -> None:
     if not (src / run).is_dir():
         ap.error(f"--store {src}: no run {run!r} there (run `rlhf run` first)")
     root = Path(args.keep or tempfile.mkdtemp(prefix="rlhf-seeds-"))
+    stages = [s for s in NAMES if s in args.stages] + ["eval"]
     pooled = []
     try:
         for seed in args.seeds:
@@ -87,7 +91,6 @@ def main() -> None:
             copy_run(src, dst, run, {*args.stages, "eval"})
             cfg = load_config(args.config, args.profile, [f"storage.url={dst}", f"run.seed={seed}", *args.set, "eval.judge=verifier",
                                                           f"eval.policies=[{','.join(args.policies)}]"])
-            stages = [s for s in NAMES if s in args.stages] + ["eval"]
             times = {s: execute_stage(cfg, s)["timings"]["seconds"] for s in stages}
             correct = correct_by_policy(ArtifactStore(cfg.storage), run, args.policies)
             pooled.append(correct)
