@@ -6,7 +6,10 @@ prompts. The stages not listed keep the finished run's artifacts, so only the li
 
 Run (after the default run, `rlhf run`, has filled data/artifacts):
   .venv/bin/python bench/seeds.py --stages grpo --seeds 0 1 2 --policies sft dpo grpo
-Prints one JSON line per seed and one for the pool.
+  .venv/bin/python bench/seeds.py --stages reward_model --seeds 0 --policies base sft --judge both \
+      --metrics reward_model/eval_accuracy eval/reward_model/elo/base --set reward_model.lora.enabled=true
+Prints one JSON line per seed and one for the pool. `--metrics` adds figures from the manifests of the
+stages that ran (a name `<stage>/...` is read from that stage's manifest).
 """
 
 from __future__ import annotations
@@ -72,29 +75,37 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=["sft", "grpo"])
     ap.add_argument("--baseline", default="sft")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides for every seed (key=value)")
+    ap.add_argument("--judge", choices=["verifier", "reward_model", "both"], default="verifier",
+                    help="eval's judge (the accuracies printed are the verifier's either way)")
+    ap.add_argument("--metrics", nargs="*", default=[], help="manifest metrics to print, e.g. reward_model/eval_accuracy")
     ap.add_argument("--keep", help="keep each seed's store under this folder (default: a temporary one)")
     args = ap.parse_args()
     if args.baseline not in args.policies:
         ap.error(f"--baseline {args.baseline!r} must be one of --policies {args.policies}")
+    stages = [s for s in NAMES if s in args.stages] + ["eval"]
+    for name in args.metrics:
+        if name.split("/")[0] not in stages:
+            ap.error(f"--metrics {name!r}: must start with a stage that runs ({', '.join(stages)})")
 
     src = Path(args.store).resolve()
     run = load_config(args.config, args.profile, [f"storage.url={src}", *args.set]).run.name
     if not (src / run).is_dir():
         ap.error(f"--store {src}: no run {run!r} there (run `rlhf run` first)")
     root = Path(args.keep or tempfile.mkdtemp(prefix="rlhf-seeds-"))
-    stages = [s for s in NAMES if s in args.stages] + ["eval"]
     pooled = []
     try:
         for seed in args.seeds:
             dst = root / f"seed{seed}"
             shutil.rmtree(dst, ignore_errors=True)
             copy_run(src, dst, run, {*args.stages, "eval"})
-            cfg = load_config(args.config, args.profile, [f"storage.url={dst}", f"run.seed={seed}", *args.set, "eval.judge=verifier",
+            cfg = load_config(args.config, args.profile, [f"storage.url={dst}", f"run.seed={seed}", *args.set, f"eval.judge={args.judge}",
                                                           f"eval.policies=[{','.join(args.policies)}]"])
-            times = {s: execute_stage(cfg, s)["timings"]["seconds"] for s in stages}
+            manifests = {s: execute_stage(cfg, s) for s in stages}
             correct = correct_by_policy(ArtifactStore(cfg.storage), run, args.policies)
             pooled.append(correct)
-            print(json.dumps({"seed": seed, **diffs(correct, args.baseline), "seconds": times}), flush=True)
+            picked = {m: manifests[m.split("/")[0]]["metrics"].get(m) for m in args.metrics}
+            times = {s: m["timings"]["seconds"] for s, m in manifests.items()}
+            print(json.dumps({"seed": seed, **diffs(correct, args.baseline), **picked, "seconds": times}), flush=True)
     finally:  # a copy of the store per seed: gigabytes, so none is left behind unless asked for
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -22,9 +22,9 @@ from rlhf.pipeline import preflight
 from rlhf.core.loader import load_config, validate
 from rlhf.pipeline.lock import RunLock
 from rlhf.core.registry import plan
-from rlhf.pipeline.runner import execute_stage
+from rlhf.pipeline.runner import execute_stage, stage_identity
 from rlhf.core.manifest import ManifestError
-from rlhf.core.store import ArtifactStore
+from rlhf.core.store import ArtifactMissing, ArtifactStore
 
 
 class _ToRunLogger(logging.Handler):
@@ -96,9 +96,23 @@ def rlhf_stage(config: dict, stage: str) -> dict:
     return _run_stage(config, stage)
 
 
+def complete_key(store: ArtifactStore, cfg, stage: str, manifest: dict | None) -> str | None:
+    """The stage's content key when its manifest in the store already carries it (the stage is complete),
+    else None. Computed here as the stage run would (same config, same code), so a complete stage costs no
+    flow run on its pool: on a cluster that is a pod, or a GPU node's start-up, for nothing."""
+    if manifest is None:
+        return None
+    try:
+        _, key = stage_identity(cfg, stage, store)
+    except (ArtifactMissing, ManifestError):  # an input is incomplete or unreadable: the stage run reports it
+        return None
+    return key if manifest["key"] == key else None
+
+
 def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
     """Runs `rlhf-stage/<stage>` on the stage's pool and waits; the outcome is read back from the
-    artifact store (flow results are not persisted, and the manifest is the source of truth)."""
+    artifact store (flow results are not persisted, and the manifest is the source of truth). A stage
+    that is already complete under its content key is skipped here, without a flow run."""
     from prefect.deployments import run_deployment
 
     store = ArtifactStore(cfg.storage)
@@ -106,6 +120,10 @@ def dispatch_stage(cfg, resolved: dict, stage: str) -> dict:
         before = store.read_manifest(cfg.run.name, stage)
     except ManifestError:  # the stage run replaces it (and logs why)
         before = None
+    if key := complete_key(store, cfg, stage, before):  # in the words a stage run uses (runner.execute_stage)
+        get_run_logger().info("%s: skipped, complete with key %s; not sent to work pool %r", stage, key[:12],
+                              cfg.work_pool(stage))
+        return {**{k: before.get(k) for k in SUMMARY}, "status": "skipped"}
     placement = cfg.stage(stage)
     flow_run = run_deployment(
         f"rlhf-stage/{stage}", parameters={"config": resolved, "stage": stage},

@@ -6,7 +6,8 @@ Faults, as a cluster has them: the gpu pool's worker is SIGKILLed (with its flow
 during SFT and once during GRPO, each time after a checkpoint landed. The lost stage run is marked
 Crashed by the heartbeat automation, the pipeline run fails, no stage without a manifest counts as
 complete, `rlhf up` restarts the worker; a new deployment run resumes SFT from its checkpoint, and
-`prefect flow-run retry` of the second failed run resumes GRPO, and every stage ends complete.
+`prefect flow-run retry` of the second failed run skips the completed stages without sending them to a
+worker and resumes GRPO, and every stage ends complete.
 `rlhf down` stops everything it started (also when the test fails)."""
 
 from __future__ import annotations
@@ -127,12 +128,19 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
         deployed = run_cli("deploy")
         assert deployed.returncode == 0 and "registered rlhf/full" in deployed.stdout, deployed.stderr[-2000:]
         run_id = out.split("UUID:")[1].split()[0]
+        gpu_at_retry = len(gpu_log())
         retry = subprocess.run([PREFECT, "flow-run", "retry", run_id], capture_output=True, text=True, cwd=REPO)
         assert retry.returncode == 0, retry.stdout + retry.stderr
         assert wait_for(lambda: flow_run_state(run_id) in ("COMPLETED", "FAILED", "CRASHED") and flow_run_state(run_id),
                         1800, "the retried run") == "COMPLETED", gpu_log()[-3000:]
         assert store.require_manifest("tiny", "grpo")["resumed_from_step"] in (2, 4)
-        assert all(f"{s}: skipped, complete with key {k[:12]}" in gpu_log() for s, k in done.items())
+        # Completed stages are skipped by the orchestrating run itself, with no stage run sent to the gpu pool
+        # for them (on a cluster a pod or a GPU node's start-up each): the gpu worker gets grpo and eval only.
+        tail = gpu_log()[gpu_at_retry:]
+        assert all(f"{s}: skipped, complete with key {k[:12]}; not sent to work pool 'gpu'" in cpu_log()
+                   for s, k in done.items())
+        assert tail.count("submitting flow run") == 2, tail[-3000:]  # grpo and eval only
+        assert "grpo: resuming after iteration" in tail and "skipped, complete with key" not in tail, tail[-3000:]
         keys = {s: store.require_manifest("tiny", s)["key"] for s in STAGES}  # every stage complete, in S3
         assert {s: keys[s] for s in done} == done
         # (A fresh run that skips every stage is tests/test_flow.py's first test; not repeated here.)

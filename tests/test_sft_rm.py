@@ -119,19 +119,31 @@ def test_crash_after_checkpoint_resumes_from_it(tiny_cfg, tmp_path, monkeypatch)
 
 
 def test_changed_key_reruns_the_stage_and_downstream_only(tiny_cfg):
+    from flows.rlhf_flow import complete_key  # the orchestrating flow's own skip check (rlhf/full)
+
+    def complete(c, stage):
+        store = ArtifactStore(c.storage)
+        return complete_key(store, c, stage, store.read_manifest(c.run.name, stage))
+
     cfg = tiny_cfg(*only("sft", "reward_model"))
+    assert complete(cfg, "sft") is None  # nothing there yet
     first = {s: execute_stage(cfg, s) for s in ("sft", "reward_model")}
     assert [m["status"] for m in first.values()] == ["ran", "ran"]
+    assert [complete(cfg, s) for s in first] == [m["key"] for m in first.values()]
 
     rm_only = tiny_cfg(*only("sft", "reward_model"), "reward_model.learning_rate=5e-4")
+    assert complete(rm_only, "sft") == first["sft"]["key"] and complete(rm_only, "reward_model") is None
     assert execute_stage(rm_only, "sft")["status"] == "skipped"
     assert execute_stage(rm_only, "reward_model")["status"] == "ran"
 
     sft_changed = tiny_cfg(*only("sft", "reward_model"), "reward_model.learning_rate=5e-4", "sft.learning_rate=2e-3")
+    assert complete(sft_changed, "sft") is None
     m_sft = execute_stage(sft_changed, "sft")
     m_rm = execute_stage(sft_changed, "reward_model")
     assert m_sft["status"] == "ran" and m_sft["key"] != first["sft"]["key"]
     assert m_rm["status"] == "ran" and m_rm["inputs"]["sft"] == m_sft["key"]
+    ArtifactStore(sft_changed.storage).clear_stage(sft_changed.run.name, "sft")
+    assert complete(sft_changed, "reward_model") is None  # an input gone: the stage run reports it, not the flow
 
 
 def test_sft_trainer_projects_only_completion_tokens_with_the_same_loss(tmp_path, monkeypatch):
