@@ -55,13 +55,18 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, prompts: list[list[dict]
 
 
 def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]]:
-    """Per-sample sum_t (log pi - log pi_ref) on each policy's own samples, ref = SFT (or base)."""
+    """Per-sample sum_t (log pi - log pi_ref) on each policy's own samples, ref = SFT (or base); the
+    reference's own samples are 0 by definition (not scored again: a quarter of this pass in the default)."""
     ref = "sft" if "sft" in ctx.inputs else "base"
+    out = {ref: [0.0] * len(gens[ref])} if ref in gens else {}
+    if not set(gens) - set(out):
+        return out
     path = policy_path(ctx, ref)
     tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
     prompt_ids = [chat_ids(tok, p) for p in prompts]
-    out = {}
     for policy, samples in gens.items():
+        if policy in out:
+            continue
         ref_lp = response_logps(model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples],
                                 tok.pad_token_id, cfg.batch_size)
         out[policy] = [float(sum(g.logprobs) - sum(r)) for g, r in zip(samples, ref_lp)]

@@ -44,6 +44,10 @@ def test_eval_stage_tables_chart_and_accumulating_views(tiny_cfg, tmp_path):
     store = ArtifactStore(cfg.storage)
     for name, schema in SCHEMAS.items():
         store.read_table(store.stage_path("run-b", "eval", f"{name}.parquet"), schema)  # asserts the schema
+    # the log-ratio to the reference (SFT): 0 on SFT's own samples, measured on base's
+    drift = query(store, "select policy, min(log_ratio_to_ref) lo, max(log_ratio_to_ref) hi from samples "
+                         "where run = 'run-b' group by policy order by policy").to_pylist()
+    assert drift[1] == {"policy": "sft", "lo": 0.0, "hi": 0.0} and drift[0]["lo"] < drift[0]["hi"], drift
     ratings = query(store, "select run, policy, elo from ratings where policy = 'sft' order by run").to_pylist()
     assert [r["run"] for r in ratings] == ["run-a", "run-b"] and all(r["elo"] == 1000.0 for r in ratings)
     assert query(store, "select count(distinct run) as n from runs").to_pylist() == [{"n": 2}]
