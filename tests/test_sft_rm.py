@@ -69,6 +69,41 @@ def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
     assert m["metrics"]["reward_model/eval_margin"] > 0
 
 
+def test_lora_reward_model_learns_resumes_and_publishes_merged_weights(tiny_cfg, tmp_path, monkeypatch):
+    """The default profile's reward model: rank-16 adapters plus the new scalar head (PEFT keeps the head
+    fully trainable for SEQ_CLS), resumed from a Trainer checkpoint of adapters, published merged."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.core.models import resolve_model
+
+    prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
+    cfg = tiny_cfg(
+        f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base", "reward_model.lora.enabled=true",
+        "reward_model.max_steps=30", "reward_model.learning_rate=1e-2", "reward_model.eval_fraction=0.25",
+        "reward_model.save_steps=10",
+    )
+    monkeypatch.setenv(CRASH_ENV, "reward_model:15")
+    with pytest.raises(InjectedCrash):
+        execute_stage(cfg, "reward_model")
+    monkeypatch.delenv(CRASH_ENV)
+    m = execute_stage(cfg, "reward_model")
+    assert m["status"] == "resumed" and m["resumed_from_step"] == 10 and m["metrics"]["reward_model/steps"] == 30
+    assert m["metrics"]["reward_model/eval_accuracy"] >= 0.9, m["metrics"]
+    store = ArtifactStore(cfg.storage)
+    folder = store.get_dir(store.stage_path("tiny", "reward_model", "model"), tmp_path / "rm")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert "score.weight" in weights and not any("lora" in k for k in weights), sorted(weights)[:5]
+    model = AutoModelForSequenceClassification.from_pretrained(folder)  # a plain model for eval and PPO
+    assert not hasattr(model, "peft_config") and model.score.weight.shape[0] == 1
+    start = load_file(str(Path(resolve_model(cfg.model)) / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(weights[q], start[q])  # the adapters' update is merged into the backbone
+    assert torch.equal(weights["model.embed_tokens.weight"], start["model.embed_tokens.weight"])  # not adapted
+
+
 def test_the_reward_model_does_not_depend_on_what_ran_before_it_in_the_process(tmp_path):
     # In `rlhf run` every stage shares one process: the new scalar head must not take its initial weights
     # from whatever RNG state earlier stages left (the same key must give the same model in a fresh worker).
