@@ -35,7 +35,7 @@ def variant(name: str, model_name: str, n_pairs: int, batch: int, workdir: str) 
     from rlhf.engines.logprobs import CompletionOnlyScoring, pair_logps, tokenize_pair
     from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
     from rlhf.data.tasks import Task
-    from stages.dpo import CachedRefDPOTrainer
+    from rlhf.train.dpo_trainer import CachedRefDPOTrainer
 
     torch.manual_seed(0)
     mcfg = ModelConfig(name=model_name)

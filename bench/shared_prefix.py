@@ -61,7 +61,7 @@ def trainers(path: str, tmp: str):
     from trl.trainer.dpo_trainer import DPOTrainer
 
     from rlhf.engines.logprobs import CompletionOnlyScoring
-    from stages.dpo import CachedRefDPOTrainer
+    from rlhf.train.dpo_trainer import CachedRefDPOTrainer
     from stages.reward_model import SharedPrefixRewardTrainer
     from stages.sft import CompletionScoredSFTTrainer
 

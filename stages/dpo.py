@@ -1,11 +1,8 @@
 """DPO from cached reference log-probs (TRL DPOTrainer, no reference model in memory).
 
 Rafailov et al. 2023. The policy starts from the SFT model (or the base model when SFT is off); the
-reference log-probs come from the ref_logprobs stage's Parquet table, joined on pair_id. TRL 1.16 has no
-option to accept user-supplied reference log-probs (its DPOConfig has none; checked in trl 1.16): with
-precompute_ref_log_probs=True it builds no reference model, and `CachedRefDPOTrainer` makes its
-precompute step return the dataset unchanged because the columns are already there. trl is pinned
-(pyproject.toml) and tests/test_dpo.py fails if a reference model is ever built.
+reference log-probs come from the ref_logprobs stage's Parquet table, joined on pair_id, and reach TRL's
+DPOTrainer as dataset columns (rlhf/train/dpo_trainer.py: no reference model is built).
 With `rounds: N > 1`, iterative DPO: each later round samples, judges and pairs the current policy and
 trains again (rlhf/train/dpo_rounds.py); per-round figures are `dpo/round_<r>/...` metrics.
 Outputs: `model/`, `metrics.parquet`; held-out verifier accuracy in the manifest metrics.
@@ -14,44 +11,15 @@ Outputs: `model/`, `metrics.parquet`; held-out verifier accuracy in the manifest
 from __future__ import annotations
 
 from trl import DPOConfig as TRLDPOConfig
-from trl import DPOTrainer
 
 from rlhf.core.config import DPOConfig
-from rlhf.engines.logprobs import CompletionOnlyScoring
-from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
+from rlhf.train.dpo_trainer import REF_COLUMNS, CachedRefDPOTrainer, with_reference
 from rlhf.train.dpo_rounds import finish_round, finished_rounds, read_round_metrics, round_data, round_metrics, round_model_dir
 from rlhf.train.refcache import REF_LOGPS_SCHEMA
 from rlhf.train.training import TrainerRun, start_model, trainer_kwargs
-
-REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
-
-
-class CachedRefDPOTrainer(SharedPrefixLoss, CompletionOnlyScoring, DPOTrainer):
-    """DPOTrainer whose reference log-probs always come from the dataset (our durable cache), scoring
-    completion positions only (rlhf/engines/logprobs.py `completion_only_scoring`), with each batch's shared
-    prompt prefix run once (rlhf/engines/prefix.py)."""
-
-    def _precompute_ref_logps(self, dataset, name, batch_size):
-        missing = [c for c in REF_COLUMNS if c not in dataset.column_names]
-        if missing:
-            raise ValueError(f"{name} dataset lacks cached reference columns {missing}; refusing an on-the-fly reference pass")
-        return dataset
-
-
-def with_reference(rows: list[dict], ref_rows: list[dict]) -> tuple[list[dict], int]:
-    """Attach cached log-probs by pair_id; pairs the ref stage dropped (over-long) are left out."""
-    ref = {r["pair_id"]: r for r in ref_rows}
-    joined = [
-        {**{k: v for k, v in row.items() if k != "pair_id"}, **{c: ref[row["pair_id"]][c] for c in REF_COLUMNS}}
-        for row in rows
-        if row["pair_id"] in ref
-    ]
-    if not joined:
-        raise ValueError("no preference pair has a cached reference log-prob: ref_logprobs and dpo disagree on data")
-    return joined, len(rows) - len(joined)
 
 
 def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:

@@ -19,16 +19,15 @@ from datetime import datetime, timezone
 import numpy as np
 import pyarrow as pa
 import torch
-from transformers import AutoModelForSequenceClassification
 
 from rlhf.core import progress
 from rlhf.maths.bradley_terry import paired_accuracy_diff, rate
 from rlhf.core.config import EvalConfig
 from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.schemas import SCHEMAS
-from rlhf.train.rewards import reward_model_scores
+from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import Task, assistant
 from rlhf.train.training import fetch_model
@@ -76,9 +75,7 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
 def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]] | None:
     if "reward_model" not in ctx.inputs:
         return None
-    path = fetch_model(ctx, "reward_model")
-    tok = load_tokenizer(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype))
+    model, tok = load_reward_model(fetch_model(ctx, "reward_model"), ctx.cfg.model.dtype)
     return {
         policy: reward_model_scores(model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size)
         for policy, samples in gens.items()

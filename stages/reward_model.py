@@ -1,9 +1,17 @@
-"""Reward model: a scalar head (num_labels=1) trained on preference pairs (TRL RewardTrainer).
+"""Reward model trained on preference pairs with the Bradley-Terry loss, -log sigmoid(r_chosen - r_rejected)
+(Ouyang et al. 2022, eq. 1), initialised from the SFT policy by default, as InstructGPT does. Two kinds:
 
-Loss: Bradley-Terry, -log sigmoid(r_chosen - r_rejected) (Ouyang et al. 2022, eq. 1); with
-`use_margin` and a `margin` column, -log sigmoid(r_c - r_r - m) (Touvron et al. 2023, eq. 2).
-Initialised from the SFT policy by default, as InstructGPT does. Held-out pairwise accuracy and mean
-reward margin come from RewardTrainer.evaluate: on the preferences stage's pairs of held-out prompts
+- classifier: a scalar head (num_labels=1) on the last token (TRL RewardTrainer); with `use_margin` and a
+  `margin` column, -log sigmoid(r_c - r_r - m) (Touvron et al. 2023, eq. 2).
+- implicit: no new head; r(x, y) = sum_t log pi(y_t | x, y_<t), the fine-tuned LM's own log-likelihood of
+  the answer. Its Bradley-Terry loss is DPO's with a reference that gives every answer the same
+  likelihood (Rafailov et al. 2023, sec. 5), so TRL's DPOTrainer trains it with zero reference columns
+  (rlhf/train/dpo_trainer.py), beta 1. Why: a new head on the last token must learn to judge an answer
+  from a few hundred pairs, while the LM head already knows how likely the SFT policy finds it. On the
+  default run's held-out on-policy pairs the untrained SFT policy's log-likelihood alone ranked 0.766 of
+  them right, the trained classifier 0.61 (docs/benchmarks.md).
+
+Held-out pairwise accuracy and mean reward margin: on the preferences stage's pairs of held-out prompts
 when that stage is an input (the policy's own answers to prompts the model never trained on), else on a
 seeded split. Accuracy is also reported split by which answer is longer (`eval_accuracy_chosen_longer`,
 `..._chosen_shorter`): a reward model that tracks length instead of quality shows it there (Singhal et
@@ -21,9 +29,10 @@ from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
 from rlhf.core.config import RewardModelConfig
-from rlhf.core.models import load_tokenizer, resolve_model, torch_dtype, weights_dtype
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.data.pairs import onpolicy_pairs, stage_pairs
 from rlhf.engines.prefix import SharedPrefixLoss
+from rlhf.train.dpo_trainer import CachedRefDPOTrainer
 from rlhf.train.rewards import reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.training import (
@@ -63,6 +72,8 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
         train_rows, eval_rows = split(rows, cfg.eval_fraction, pcfg.run.seed)
     init = fetch_model(ctx, "sft") if cfg.init_from == "sft" else resolve_model(pcfg.model)
     tokenizer = load_tokenizer(init)
+    if cfg.kind == "implicit":
+        return run_implicit(cfg, ctx, init, tokenizer, train_rows, eval_rows, bool(held_out_pairs), dropped)
     # The scalar head is new and randomly initialised, before the Trainer seeds anything: seed it here, or
     # it depends on what ran earlier in this process (in `rlhf run` every stage shares one process), and
     # the same content key would give another reward model in a fresh worker or after a resume.
@@ -91,23 +102,49 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     result = tr.train(trainer)
     held_out = trainer.evaluate()  # also lands in the metrics table through the progress callback
     metrics = {
-        "reward_model/train_loss": float(result.training_loss),
-        "reward_model/steps": float(trainer.state.global_step),
         "reward_model/eval_accuracy": float(held_out["eval_accuracy"]),
         "reward_model/eval_margin": float(held_out["eval_margin"]),
         "reward_model/eval_loss": float(held_out["eval_loss"]),
+        **{k: v for k, v in held_out_scores(trainer.model, tokenizer, eval_rows).items() if "chosen_" in k},
     }
-    metrics.update(length_split_accuracy(trainer.model, tokenizer, eval_rows))
+    return finish(ctx, tr, trainer, result, tokenizer, metrics, len(train_rows), len(eval_rows), bool(held_out_pairs),
+                  dropped)
+
+
+def run_implicit(cfg: RewardModelConfig, ctx: StageContext, init: str, tokenizer, train_rows: list[dict],
+                 eval_rows: list[dict], on_policy: bool, dropped: int) -> StageResult:
+    """The implicit reward model: reference-free DPO (zero reference log-probs, beta 1) of the init LM."""
+    from trl import DPOConfig as TRLDPOConfig
+
+    if not all(isinstance(r["chosen"], list) for r in train_rows + eval_rows):
+        raise ValueError("reward_model.kind: implicit scores an answer by its log-likelihood after the prompt, so it "
+                         "needs conversational pairs (prompt, chosen and rejected as messages); these are plain text")
+    pcfg = ctx.cfg
+    rows = [{**r, "ref_chosen_logps": 0.0, "ref_rejected_logps": 0.0} for r in train_rows]
+    tr = TrainerRun.start(ctx)
+    args = TRLDPOConfig(**trainer_kwargs(cfg, tr.out_dir, pcfg.run.seed, pcfg.model.dtype), max_length=cfg.max_length,
+                        truncation_mode="keep_start", beta=1.0, loss_type=["sigmoid"], precompute_ref_log_probs=True)
+    model = load_causal_lm(init, pcfg.model, trained=not cfg.lora.enabled)
+    trainer = tr.build(CachedRefDPOTrainer, model, args, rows, tokenizer, cfg)
+    result = tr.train(trainer)
+    metrics = held_out_scores(trainer.model, tokenizer, eval_rows)
+    return finish(ctx, tr, trainer, result, tokenizer, metrics, len(train_rows), len(eval_rows), on_policy, dropped)
+
+
+def finish(ctx, tr, trainer, result, tokenizer, metrics: dict, n_train: int, n_eval: int, on_policy: bool,
+           dropped: int) -> StageResult:
+    metrics = {"reward_model/train_loss": float(result.training_loss),
+               "reward_model/steps": float(trainer.state.global_step), **metrics}
     ctx.log.info(
         "reward_model: held-out pairwise accuracy %.3f (chosen longer %.3f, shorter %.3f), mean margin %.3f on %d %s pairs",
         metrics["reward_model/eval_accuracy"], metrics["reward_model/eval_accuracy_chosen_longer"],
-        metrics["reward_model/eval_accuracy_chosen_shorter"], metrics["reward_model/eval_margin"], len(eval_rows),
-        "on-policy held-out" if held_out_pairs else "split-off",
+        metrics["reward_model/eval_accuracy_chosen_shorter"], metrics["reward_model/eval_margin"], n_eval,
+        "on-policy held-out" if on_policy else "split-off",
     )
     outputs = {"model": publish_model(ctx, trainer.model, tokenizer), "metrics": write_metrics(ctx, tr.progress.table())}
     return StageResult(
         outputs=outputs,
-        rows={"train_pairs": len(train_rows), "eval_pairs": len(eval_rows), "dropped": dropped},
+        rows={"train_pairs": n_train, "eval_pairs": n_eval, "dropped": dropped},
         metrics=metrics,
         resumed_from_step=tr.resumed_from_step,
     )
@@ -129,13 +166,15 @@ def accuracy_by_length(chosen_scores, rejected_scores, chosen_lengths, rejected_
             "accuracy_chosen_shorter": share([c < r for c, r in zip(chosen_lengths, rejected_lengths)])}
 
 
-def length_split_accuracy(model, tokenizer, rows: list[dict]) -> dict[str, float]:
-    """The reward model's own scores of each held-out pair's two sides (lengths: answer characters).
+def held_out_scores(model, tokenizer, rows: list[dict]) -> dict[str, float]:
+    """The reward model's own scores of each held-out pair's two sides: pairwise accuracy overall and split
+    by which answer is longer (answer characters), mean margin r_c - r_r and Bradley-Terry loss.
     Conversational rows only (TRL's plain-text format has no assistant turn to measure): NaN otherwise."""
     import torch
 
+    keys = ("accuracy", "accuracy_chosen_longer", "accuracy_chosen_shorter", "margin", "loss")
     if not rows or not all(isinstance(r["chosen"], list) for r in rows):
-        return {f"reward_model/eval_{k}": float("nan") for k in ("accuracy_chosen_longer", "accuracy_chosen_shorter")}
+        return {f"reward_model/eval_{k}": float("nan") for k in keys}
 
     def convs(side):
         return [r["prompt"] + r[side] if "prompt" in r else r[side] for r in rows]
@@ -146,4 +185,6 @@ def length_split_accuracy(model, tokenizer, rows: list[dict]) -> dict[str, float
     with torch.inference_mode():
         chosen, rejected = reward_model_scores(model, tokenizer, convs("chosen")), reward_model_scores(model, tokenizer, convs("rejected"))
     split = accuracy_by_length(chosen, rejected, [length(r, "chosen") for r in rows], [length(r, "rejected") for r in rows])
-    return {f"reward_model/eval_{k}": v for k, v in split.items() if k != "accuracy"}
+    margin = torch.tensor(chosen, dtype=torch.float64) - torch.tensor(rejected, dtype=torch.float64)
+    split.update(margin=float(margin.mean()), loss=float(-torch.nn.functional.logsigmoid(margin).mean()))
+    return {f"reward_model/eval_{k}": v for k, v in split.items()}

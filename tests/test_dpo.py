@@ -16,7 +16,7 @@ from rlhf.maths.losses import dpo_loss
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from conftest import only
 from rlhf.pipeline.runner import execute_stage
-from stages.dpo import CachedRefDPOTrainer
+from rlhf.train.dpo_trainer import CachedRefDPOTrainer
 from test_ref_cache import CONV
 from test_sft_rm import separable_pairs
 

@@ -414,3 +414,23 @@ def test_grpo_init_from_dpo_starts_from_the_dpo_policy(tiny_cfg, monkeypatch):
     grpo = execute_stage(cfg, "grpo")
     assert len(loaded) == 1 and Path(loaded[0]).parts[-2:] == ("dpo", "model")
     assert grpo["inputs"]["dpo"] == dpo["key"] and "sft" in grpo["inputs"]
+
+
+def test_grpo_rewarded_by_an_implicit_reward_model_gets_its_log_likelihoods(tiny_cfg):
+    """reward_source: reward_model with reward_model.kind: implicit (a causal LM, no head): each sample's
+    reward is that model's summed log-prob of the response given the prompt, the number eval's judge uses."""
+    from rlhf.data.tasks import assistant, user
+    from rlhf.train.rewards import load_reward_model, reward_model_scores
+
+    cfg = tiny_cfg(*only("reward_model", "grpo"), *ONLY_RL, "reward_model.init_from=base", "reward_model.kind=implicit",
+                   "reward_model.max_steps=2", "grpo.reward_source=reward_model", "grpo.beta=0.1", "grpo.iterations=1",
+                   "grpo.prompts_per_iteration=2", "grpo.group_size=4", "grpo.minibatch_size=8", "grpo.eval_prompts=0")
+    execute_stage(cfg, "reward_model")
+    execute_stage(cfg, "grpo")
+    store = ArtifactStore(cfg.storage)
+    exp = store.read_table(store.stage_path(cfg.run.name, "grpo", "experience", "iter-000001.parquet"),
+                           EXPERIENCE_SCHEMA).to_pylist()
+    model, tok = load_reward_model(str(Path(cfg.storage.url) / cfg.run.name / "reward_model" / "model"), "float32")
+    want = reward_model_scores(model, tok, [[user(r["prompt"]), assistant(r["response"])] for r in exp])
+    assert len(exp) == 8 and all(w < 0 for w in want)  # log-likelihoods
+    assert [r["reward"] for r in exp] == pytest.approx(want, abs=1e-4)

@@ -104,6 +104,53 @@ def test_lora_reward_model_learns_resumes_and_publishes_merged_weights(tiny_cfg,
     assert torch.equal(weights["model.embed_tokens.weight"], start["model.embed_tokens.weight"])  # not adapted
 
 
+def test_implicit_reward_model_learns_resumes_and_scores_its_own_log_likelihood(tiny_cfg, tmp_path, monkeypatch):
+    """reward_model.kind: implicit (the default profile's): no head; the reward is the LM's summed log-prob of
+    the reply, fit by reference-free DPO. It learns, resumes from an adapter checkpoint, publishes a plain
+    causal LM, and scores exactly the completion log-probs the reference cache's code computes."""
+    import torch
+
+    from rlhf.core.models import load_tokenizer
+    from rlhf.engines.logprobs import pair_logps, tokenize_pair
+    from rlhf.train.rewards import load_reward_model, reward_model_scores
+
+    prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
+    cfg = tiny_cfg(
+        f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base", "reward_model.kind=implicit",
+        "reward_model.lora.enabled=true", "reward_model.max_steps=30", "reward_model.learning_rate=1e-2",
+        "reward_model.eval_fraction=0.25", "reward_model.save_steps=10",
+    )
+    monkeypatch.setenv(CRASH_ENV, "reward_model:15")
+    with pytest.raises(InjectedCrash):
+        execute_stage(cfg, "reward_model")
+    monkeypatch.delenv(CRASH_ENV)
+    m = execute_stage(cfg, "reward_model")
+    assert m["status"] == "resumed" and m["resumed_from_step"] == 10 and m["metrics"]["reward_model/steps"] == 30
+    assert m["rows"] == {"train_pairs": 72, "eval_pairs": 24, "dropped": 0}
+    assert m["metrics"]["reward_model/eval_accuracy"] >= 0.9, m["metrics"]
+    store = ArtifactStore(cfg.storage)
+    folder = store.get_dir(store.stage_path("tiny", "reward_model", "model"), tmp_path / "rm")
+    weights = load_file(str(folder / "model.safetensors"))
+    assert "score.weight" not in weights and not any("lora" in k for k in weights), sorted(weights)[:5]
+    model, tok = load_reward_model(str(folder), "float32")
+    assert type(model).__name__.endswith("ForCausalLM")
+    rows = [json.loads(line) for line in open(prefs)][:6]
+    got_c = reward_model_scores(model, tok, [r["prompt"] + r["chosen"] for r in rows])
+    got_r = reward_model_scores(model, tok, [r["prompt"] + r["rejected"] for r in rows])
+    want = pair_logps(model, load_tokenizer(str(folder)), [tokenize_pair(tok, r) for r in rows], 128, 4)
+    assert torch.allclose(torch.tensor(got_c, dtype=torch.float64), want.chosen, atol=1e-4)
+    assert torch.allclose(torch.tensor(got_r, dtype=torch.float64), want.rejected, atol=1e-4)
+    assert all(c > r for c, r in zip(got_c, got_r))
+
+
+def test_a_reward_model_that_is_neither_classifier_nor_causal_lm_is_refused(tmp_path):
+    from rlhf.train.rewards import load_reward_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    with pytest.raises(ValueError, match=r"architectures \['BertModel'\], neither a sequence classifier"):
+        load_reward_model(str(tmp_path), "float32")
+
+
 def test_the_reward_model_does_not_depend_on_what_ran_before_it_in_the_process(tmp_path):
     # In `rlhf run` every stage shares one process: the new scalar head must not take its initial weights
     # from whatever RNG state earlier stages left (the same key must give the same model in a fresh worker).

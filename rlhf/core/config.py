@@ -398,13 +398,24 @@ class SFTConfig(TrainerOptions):
 
 class RewardModelConfig(TrainerOptions):
     learning_rate: float = Field(1e-5, gt=0.0, lt=1.0)  # peak learning rate (AdamW)
-    init_from: Literal["sft", "base"] = "sft"  # backbone: the SFT model or the base model; a scalar head is added
+    init_from: Literal["sft", "base"] = "sft"  # backbone: the SFT model or the base model
+    # classifier: a scalar head on the last token (InstructGPT). implicit: the reward is the fine-tuned LM's own
+    # summed log-likelihood of the answer, r(x, y) = log pi(y | x), fit with the same Bradley-Terry loss
+    # (Rafailov et al. 2023 sec. 5, reference-free): it keeps the LM head, and with it what SFT learnt.
+    kind: Literal["classifier", "implicit"] = "classifier"
     # Held-out share of the preference pairs for pairwise accuracy.
     eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     # Bradley-Terry with margin (Llama 2, Touvron et al. 2023, eq. 2) when pairs carry a `margin` column.
     use_margin: bool = False
     # Auxiliary loss pushing rewards toward zero mean (Eisenstein et al. 2023); 0 disables it.
     center_rewards_coefficient: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _implicit(self) -> RewardModelConfig:
+        for key in ("use_margin", "center_rewards_coefficient"):
+            if self.kind == "implicit" and getattr(self, key):
+                raise ValueError(f"{key}: a classifier option (TRL's RewardTrainer); kind 'implicit' trains without it")
+        return self
 
 
 class RefLogprobsConfig(Placement):
@@ -466,7 +477,8 @@ class PreferencesConfig(Placement):
     batch_size: int = Field(32, ge=1)  # prompts per generate call
     seed: int = Field(0, ge=0, lt=2**32)  # sampling seed
     # verifier: the task's check; function: `reward_function` ('module:function', TRL's signature);
-    # reward_model: a sequence-classification model at `reward_model_path` (a local folder or hub id)
+    # reward_model: the reward model at `reward_model_path` (a local folder or hub id): a sequence classifier, or a
+    # causal LM scored by its summed log-likelihood of the answer (reward_model.kind: implicit)
     judge: Literal["verifier", "function", "reward_model"] = "verifier"
     reward_function: str | None = None  # 'module:function' when judge is 'function'
     reward_model_path: str | None = None  # a reward model folder or hub id when judge is 'reward_model'

@@ -131,7 +131,8 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
             lora = st.lora.r if st.lora.enabled else None
             terms.update(trained_model_bytes(s, w, st.optim, lora, mixed))
             terms["activations"] = activation_bytes(s, rows, st.max_length, w, flash, st.gradient_checkpointing)
-            if stage != "reward_model":  # the reward model's head is one scalar, not the vocabulary
+            # a classifier reward model's head is one scalar; the implicit one scores through the vocabulary
+            if stage != "reward_model" or cfg.reward_model.kind == "implicit":
                 terms["logits"] = logits_bytes(s, rows, st.max_length, trained=True)
         elif kind == "rl":
             seq = RL_PROMPT_TOKENS + cfg.rollout.max_new_tokens

@@ -5,11 +5,10 @@ per prompt, a judge's scores, and the pairs they give (rlhf.data.pairs.build_pai
 from __future__ import annotations
 
 from rlhf.core.config import PreferencesConfig
-from rlhf.core.models import load_tokenizer, torch_dtype
 from rlhf.data.pairs import build_pairs, contrast_pairs
 from rlhf.data.tasks import Problem, Task, assistant
 from rlhf.engines.engine import SamplingParams
-from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
+from rlhf.train.rewards import function_scores, import_reward_function, load_reward_model, reward_model_scores
 
 
 def make_judge(cfg: PreferencesConfig, task: Task, dtype: str):
@@ -18,10 +17,7 @@ def make_judge(cfg: PreferencesConfig, task: Task, dtype: str):
         fn = import_reward_function(cfg.reward_function)
         return (lambda problems, texts, ids: function_scores(fn, problems, texts, ids)), f"function:{cfg.reward_function}"
     if cfg.judge == "reward_model":
-        from transformers import AutoModelForSequenceClassification
-
-        rm = AutoModelForSequenceClassification.from_pretrained(cfg.reward_model_path, dtype=torch_dtype(dtype))
-        tok = load_tokenizer(cfg.reward_model_path)
+        rm, tok = load_reward_model(cfg.reward_model_path, dtype)
 
         def judge(problems, texts, ids):
             return reward_model_scores(rm, tok, [p.messages() + [assistant(t)] for p, t in zip(problems, texts)])

@@ -8,12 +8,42 @@ from collections.abc import Callable
 
 import torch
 
+from trl.data_utils import common_prefix_length
+
 from rlhf.engines import prefix
+from rlhf.engines.engine import chat_ids
+from rlhf.engines.logprobs import response_logps
+
+
+def load_reward_model(path: str, dtype: str):
+    """(model, tokenizer) of a reward-model folder, told apart by its config's architectures: a sequence
+    classifier (a scalar head, reward_model.kind: classifier) or a causal LM (reward_model.kind: implicit).
+    Anything else is refused: loading it as a classifier would add a random head and score noise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlhf.core.models import load_tokenizer, torch_dtype
+
+    archs = AutoConfig.from_pretrained(path).architectures or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        cls = AutoModelForSequenceClassification
+    elif any(a.endswith("ForCausalLM") for a in archs):
+        cls = AutoModelForCausalLM
+    else:
+        raise ValueError(f"reward model {path}: config.json names architectures {archs}, neither a sequence "
+                         "classifier (a scalar reward head) nor a causal LM (an implicit reward model)")
+    return cls.from_pretrained(path, dtype=torch_dtype(dtype)), load_tokenizer(path)
+
+
+def is_classifier(model) -> bool:
+    return type(model).__name__.endswith("ForSequenceClassification")  # also PEFT's PeftModelForSequenceClassification
 
 
 @torch.no_grad()
 def reward_model_scores(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16) -> list[float]:
-    """Scalar rewards of full conversations (prompt + assistant reply), right-padded batches."""
+    """Rewards of full conversations (prompt + assistant reply): a classifier's scalar head, or for an
+    implicit reward model (a causal LM) the summed log-probs of the reply's tokens given the prompt."""
+    if not is_classifier(model):
+        return implicit_rewards(model, tokenizer, conversations, batch_size)
     model.eval()
     side = tokenizer.padding_side
     tokenizer.padding_side = "right"
@@ -27,6 +57,20 @@ def reward_model_scores(model, tokenizer, conversations: list[list[dict]], batch
     finally:
         tokenizer.padding_side = side
     return scores
+
+
+def implicit_rewards(model, tokenizer, conversations: list[list[dict]], batch_size: int = 16) -> list[float]:
+    """r(x, y) = sum_t log pi(y_t | x, y_<t) over the reply's tokens, tokenised as DPO's trainer does (the
+    reply starts where the prompt's ids with the assistant turn opened and the whole conversation's part):
+    the quantity the implicit reward model was fit on. Rafailov et al. 2023, sec. 5, with no reference."""
+    prompts, replies = [], []
+    for c in conversations:
+        opened = chat_ids(tokenizer, c[:-1], generation_prompt=True)
+        full = chat_ids(tokenizer, c, generation_prompt=False)
+        n = common_prefix_length(opened, full)
+        prompts.append(full[:n])
+        replies.append(full[n:])
+    return [float(sum(lp)) for lp in response_logps(model, prompts, replies, tokenizer.pad_token_id, batch_size)]
 
 
 def import_reward_function(spec: str) -> Callable:

@@ -36,7 +36,7 @@ from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import sequence_logps
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
-from rlhf.train.rewards import function_scores, import_reward_function, reward_model_scores
+from rlhf.train.rewards import function_scores, import_reward_function, load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import Task, assistant
 from rlhf.train.training import (
@@ -230,12 +230,9 @@ class Step:
 
 
 # ---- rewards ----------------------------------------------------------------------------------------
-def load_reward_model(ctx: StageContext):
-    from transformers import AutoModelForSequenceClassification
-
-    path = fetch_model(ctx, "reward_model")
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch_dtype(ctx.cfg.model.dtype))
-    return model.to(ctx_device()), load_tokenizer(path)
+def stage_reward_model(ctx: StageContext):
+    model, tokenizer = load_reward_model(fetch_model(ctx, "reward_model"), ctx.cfg.model.dtype)
+    return model.to(ctx_device()), tokenizer
 
 
 def make_reward(cfg, task: Task, scorers):
@@ -540,7 +537,7 @@ class LocalScorers:
         self.device = ctx_device()
         self.ref = (load_causal_lm(init, ctx.cfg.model).to(self.device).eval().requires_grad_(False)
                     if "reference" in frozen else None)
-        self.rm = load_reward_model(ctx) if "reward_model" in frozen else None
+        self.rm = stage_reward_model(ctx) if "reward_model" in frozen else None
         self.amp = lambda: autocast(ctx.cfg.model, self.device.type)
 
     def ref_logps(self, batch: Batch, temperature: float, size: int) -> torch.Tensor:
