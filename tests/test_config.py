@@ -74,13 +74,16 @@ def test_derived_quantities_by_hand():
     assert d["sft"]["samples_per_optimizer_step"] == 16 and d["sft"]["optimizer_steps"] == 36
     assert d["reward_model"]["optimizer_steps"] == 42
     # on-policy pairs (known after sampling), all of them train (held-out prompts give the eval pairs):
-    # the default caps all_pairs at 3 per prompt -> at most 384 x 3 = 1152 rows, plus one contrast pair per
-    # prompt for the reward model only: 1536 rows, 192 steps (DPO 1152); best vs worst gives one per
-    # prompt -> 48 steps without contrast pairs; all_pairs of K=8 uncapped: 28 per prompt
+    # the default caps all_pairs at 3 per prompt -> at most 384 x 3 = 1152 rows, 144 steps; one contrast pair
+    # per prompt adds 384 rows for the reward model only: 1536 rows, 192 steps (DPO 1152); best vs worst
+    # gives one per prompt -> 48 steps without contrast pairs; all_pairs of K=8 uncapped: 28 per prompt
     d = derived_quantities(load_config(CONFIG, "default"))
+    assert d["reward_model"]["optimizer_steps"] == "at most 144"
+    assert d["reward_model"]["train_rows"] == "from the preferences stage (at most 1152)"
+    assert d["dpo"]["train_rows"] == "from the preferences stage (at most 1152)"
+    d = derived_quantities(load_config(CONFIG, "default", ["preferences.contrast_samples=1"]))
     assert d["reward_model"]["optimizer_steps"] == "at most 192"
     assert d["reward_model"]["train_rows"] == "from the preferences stage (at most 1536)"
-    assert d["dpo"]["train_rows"] == "from the preferences stage (at most 1152)"
     d = derived_quantities(load_config(CONFIG, "default", ["preferences.pairing=best_worst", "preferences.max_pairs_per_prompt=null",
                                                           "preferences.contrast_samples=0"]))
     assert d["reward_model"]["optimizer_steps"] == "at most 48"

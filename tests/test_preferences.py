@@ -54,7 +54,7 @@ def test_stage_writes_judged_pairs_that_downstream_stages_train_on(tiny_cfg):
     n_prompts = cfg.data.train_size
     # best_worst: one pair or one tie per prompt
     assert prefs["rows"]["pairs"] + prefs["rows"]["pairs_ties"] == n_prompts and len(rows) == prefs["rows"]["pairs"] > 0
-    assert cfg.preferences.contrast_samples == 1  # as the default profile: one base answer per training prompt
+    assert cfg.preferences.contrast_samples == 1  # as the tiny profile: one base answer per training prompt
     assert prefs["rows"]["samples"] == (n_prompts + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt + n_prompts
     for r in rows:
         assert r["chosen_score"] > r["rejected_score"] and r["chosen_index"] != r["rejected_index"]
