@@ -59,7 +59,7 @@ def separable_pairs(path, n: int) -> str:
 def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
     prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
     cfg = tiny_cfg(
-        f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base",
+        f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base", "reward_model.kind=classifier",
         "reward_model.max_steps=30", "reward_model.learning_rate=3e-3", "reward_model.eval_fraction=0.25",
         "reward_model.save_steps=100",
     )
@@ -69,21 +69,14 @@ def test_reward_model_learns_a_separable_preference(tiny_cfg, tmp_path):
     assert m["metrics"]["reward_model/eval_margin"] > 0
 
 
-def test_lora_reward_model_learns_resumes_and_publishes_merged_weights(tiny_cfg, tmp_path, monkeypatch):
-    """The default profile's reward model: rank-16 adapters plus the new scalar head (PEFT keeps the head
-    fully trainable for SEQ_CLS), resumed from a Trainer checkpoint of adapters, published merged."""
-    from pathlib import Path
-
-    import torch
-    from transformers import AutoModelForSequenceClassification
-
-    from rlhf.core.models import resolve_model
-
+def lora_reward_model_crashed_and_resumed(tiny_cfg, tmp_path, monkeypatch, *extra: str):
+    """A LoRA reward model on separable pairs, crashed at step 15 and resumed from its step-10 checkpoint;
+    checks it resumed there, ran all 30 steps and learnt (held-out >= 0.9). Returns (cfg, manifest)."""
     prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
     cfg = tiny_cfg(
         f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base", "reward_model.lora.enabled=true",
         "reward_model.max_steps=30", "reward_model.learning_rate=1e-2", "reward_model.eval_fraction=0.25",
-        "reward_model.save_steps=10",
+        "reward_model.save_steps=10", *extra,
     )
     monkeypatch.setenv(CRASH_ENV, "reward_model:15")
     with pytest.raises(InjectedCrash):
@@ -92,6 +85,20 @@ def test_lora_reward_model_learns_resumes_and_publishes_merged_weights(tiny_cfg,
     m = execute_stage(cfg, "reward_model")
     assert m["status"] == "resumed" and m["resumed_from_step"] == 10 and m["metrics"]["reward_model/steps"] == 30
     assert m["metrics"]["reward_model/eval_accuracy"] >= 0.9, m["metrics"]
+    return cfg, m
+
+
+def test_lora_reward_model_learns_resumes_and_publishes_merged_weights(tiny_cfg, tmp_path, monkeypatch):
+    """A classifier reward model as rank-16 adapters plus the new scalar head (PEFT keeps the head fully
+    trainable for SEQ_CLS), resumed from a Trainer checkpoint of adapters, published merged."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf.core.models import resolve_model
+
+    cfg, _ = lora_reward_model_crashed_and_resumed(tiny_cfg, tmp_path, monkeypatch, "reward_model.kind=classifier")
     store = ArtifactStore(cfg.storage)
     folder = store.get_dir(store.stage_path("tiny", "reward_model", "model"), tmp_path / "rm")
     weights = load_file(str(folder / "model.safetensors"))
@@ -114,21 +121,10 @@ def test_implicit_reward_model_learns_resumes_and_scores_its_own_log_likelihood(
     from rlhf.engines.logprobs import pair_logps, tokenize_pair
     from rlhf.train.rewards import load_reward_model, reward_model_scores
 
-    prefs = separable_pairs(tmp_path / "prefs.jsonl", 96)
-    cfg = tiny_cfg(
-        f"data.prefs_path={prefs}", *only("reward_model"), "reward_model.init_from=base", "reward_model.kind=implicit",
-        "reward_model.lora.enabled=true", "reward_model.max_steps=30", "reward_model.learning_rate=1e-2",
-        "reward_model.eval_fraction=0.25", "reward_model.save_steps=10",
-    )
-    monkeypatch.setenv(CRASH_ENV, "reward_model:15")
-    with pytest.raises(InjectedCrash):
-        execute_stage(cfg, "reward_model")
-    monkeypatch.delenv(CRASH_ENV)
-    m = execute_stage(cfg, "reward_model")
-    assert m["status"] == "resumed" and m["resumed_from_step"] == 10 and m["metrics"]["reward_model/steps"] == 30
+    cfg, m = lora_reward_model_crashed_and_resumed(tiny_cfg, tmp_path, monkeypatch, "reward_model.kind=implicit")
     assert m["rows"] == {"train_pairs": 72, "eval_pairs": 24, "dropped": 0}
-    assert m["metrics"]["reward_model/eval_accuracy"] >= 0.9, m["metrics"]
     store = ArtifactStore(cfg.storage)
+    prefs = str(tmp_path / "prefs.jsonl")
     folder = store.get_dir(store.stage_path("tiny", "reward_model", "model"), tmp_path / "rm")
     weights = load_file(str(folder / "model.safetensors"))
     assert "score.weight" not in weights and not any("lora" in k for k in weights), sorted(weights)[:5]
@@ -163,7 +159,8 @@ def test_the_reward_model_does_not_depend_on_what_ran_before_it_in_the_process(t
     for name, draws in (("fresh", 0), ("after", 1000)):
         torch.rand(draws)  # what an earlier stage would consume
         cfg = load_config(CONFIG, "tiny", [f"storage.url={tmp_path / name}", f"data.prefs_path={prefs}", *only("reward_model"),
-                                           "reward_model.init_from=base", "reward_model.max_steps=2", "reward_model.eval_fraction=0.25"])
+                                           "reward_model.init_from=base", "reward_model.kind=classifier", "reward_model.max_steps=2",
+                                           "reward_model.eval_fraction=0.25"])
         execute_stage(cfg, "reward_model")
         models.append(load_file(str(tmp_path / name / "tiny" / "reward_model" / "model" / "model.safetensors")))
     assert models[0].keys() == models[1].keys()
