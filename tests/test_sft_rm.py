@@ -124,13 +124,12 @@ def test_implicit_reward_model_learns_resumes_and_scores_its_own_log_likelihood(
     cfg, m = lora_reward_model_crashed_and_resumed(tiny_cfg, tmp_path, monkeypatch, "reward_model.kind=implicit")
     assert m["rows"] == {"train_pairs": 72, "eval_pairs": 24, "dropped": 0}
     store = ArtifactStore(cfg.storage)
-    prefs = str(tmp_path / "prefs.jsonl")
     folder = store.get_dir(store.stage_path("tiny", "reward_model", "model"), tmp_path / "rm")
     weights = load_file(str(folder / "model.safetensors"))
     assert "score.weight" not in weights and not any("lora" in k for k in weights), sorted(weights)[:5]
     model, tok = load_reward_model(str(folder), "float32")
     assert type(model).__name__.endswith("ForCausalLM")
-    rows = [json.loads(line) for line in open(prefs)][:6]
+    rows = [json.loads(line) for line in open(cfg.data.prefs_path)][:6]
     got_c = reward_model_scores(model, tok, [r["prompt"] + r["chosen"] for r in rows])
     got_r = reward_model_scores(model, tok, [r["prompt"] + r["rejected"] for r in rows])
     want = pair_logps(model, load_tokenizer(str(folder)), [tokenize_pair(tok, r) for r in rows], 128, 4)
