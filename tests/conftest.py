@@ -102,6 +102,8 @@ def start_weed(data: Path, ports: dict[str, int]):
         # servers (the session's and a test's own) can run side by side.
         "-s3.port.iceberg=0", "-s3.port.lance=0",
         "-master.volumeSizeLimitMB=64", "-volume.max=100",
+        # A stopping volume server keeps beating for 10 s by default (for a cluster to drain it): none here.
+        "-volume.preStopSeconds=0",
     ]
     log = open(data / "weed.log", "ab")
     # Without AWS_* in its environment SeaweedFS runs without identities and accepts any key; with them
@@ -123,7 +125,13 @@ def start_weed(data: Path, ports: dict[str, int]):
             time.sleep(0.5)
 
 
-def stop_weed(proc) -> None:
+def stop_weed(proc, graceful: bool = True) -> None:
+    """SIGTERM and wait (SeaweedFS flushes and stops in about 15 s: its filer waits out open metadata
+    streams), or SIGKILL where the data folder is thrown away next (the session's end)."""
+    if not graceful:
+        proc.kill()
+        proc.wait()
+        return
     proc.terminate()
     try:
         proc.wait(timeout=30)
@@ -141,7 +149,7 @@ def seaweedfs(tmp_path_factory):
     try:
         yield {"endpoint": f"http://127.0.0.1:{ports['s3']}", "client": client, "proc": proc}
     finally:
-        stop_weed(proc)
+        stop_weed(proc, graceful=False)
 
 
 @pytest.fixture

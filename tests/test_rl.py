@@ -58,11 +58,13 @@ def test_grpo_raises_reward(tiny_cfg):
 
 @pytest.mark.slow
 def test_ppo_raises_reward(tiny_cfg):
-    cfg = rl_cfg(tiny_cfg, "ppo", "ppo.iterations=12", "ppo.prompts_per_iteration=32", "ppo.minibatch_size=16",
+    # 6 iterations: this seed's reward reads 0.43, 0.72, 0.93, 0.98, 1.0, 1.0 (it stays at 1.0 up to 12)
+    cfg = rl_cfg(tiny_cfg, "ppo", "ppo.iterations=6", "ppo.prompts_per_iteration=32", "ppo.minibatch_size=16",
                  "ppo.epochs=2", "ppo.kl.beta=0.01", "ppo.vf_coef=1.0", "ppo.lam=1.0", "ppo.max_kl=50")
     m = execute_stage(cfg, "ppo")
     curve = reward_curve(cfg, "ppo")
-    assert sum(curve[-3:]) / 3 > curve[0] + 0.25, curve  # about 0.4 -> 0.98 for this seed
+    assert len(curve) == 6
+    assert sum(curve[-3:]) / 3 > curve[0] + 0.25, curve  # about 0.4 -> 0.99 for this seed
     assert math.isfinite(m["metrics"]["ppo/kl"]) and math.isfinite(m["metrics"]["ppo/value_loss"])
     assert m["metrics"]["ppo/kl_beta"] != 0.01  # the adaptive controller moved beta
 

@@ -179,7 +179,7 @@ def test_storage_outage_mid_stage_fails_bounded_then_rerun_resumes(tiny_cfg, tmp
         assert m["status"] == "resumed" and m["resumed_from_step"] in (4, 8, 12)
         assert store.require_manifest("tiny", "sft")["key"] == m["key"]
     finally:
-        stop_weed(proc)
+        stop_weed(proc, graceful=False)
 
 
 @pytest.mark.parametrize("call", ["write_bytes", "remove", "glob", "list_dirs", "put_file"])

@@ -19,9 +19,12 @@ PROJECT = ("rlhf", "stages")
 RUN_BY_PATH = {"rlhf/engines/vllm_engine.py": ("rlhf/engines/vllm_worker.py",)}
 
 
-def imported_files(source: str, root: Path) -> set[str]:
-    """Project files (relative paths) that `source` imports, at any depth of its syntax tree."""
-    found = set()
+@lru_cache(maxsize=None)
+def _project_imports(source: str) -> tuple[str, ...]:
+    """Dotted names of project modules (or their members) that `source` imports, at any depth of its syntax
+    tree. Cached by the text: every stage's graph passes through the runner's imports, and parsing is what
+    costs (the file reads and existence checks do not)."""
+    found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -29,11 +32,16 @@ def imported_files(source: str, root: Path) -> set[str]:
             names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # `from rlhf import x`: x may be a module
         else:
             continue
-        for name in names:
-            if name.split(".")[0] not in PROJECT:
-                continue
-            base = name.replace(".", "/")
-            found |= {rel for rel in (f"{base}.py", f"{base}/__init__.py") if (root / rel).is_file()}
+        found += [n for n in names if n.split(".")[0] in PROJECT]
+    return tuple(found)
+
+
+def imported_files(source: str, root: Path) -> set[str]:
+    """Project files (relative paths) that `source` imports, at any depth of its syntax tree."""
+    found = set()
+    for name in _project_imports(source):
+        base = name.replace(".", "/")
+        found |= {rel for rel in (f"{base}.py", f"{base}/__init__.py") if (root / rel).is_file()}
     return found
 
 
