@@ -89,14 +89,14 @@ def test_derived_quantities_by_hand():
     assert d["reward_model"]["optimizer_steps"] == "at most 48"
     d = derived_quantities(load_config(CONFIG, "default", ["preferences.max_pairs_per_prompt=null"]))
     assert d["dpo"]["train_rows"] == f"from the preferences stage (at most {384 * 28})"
-    # GRPO: 8 prompts x G=8 = 64 rollouts; minibatch 32, 2 epochs -> 4 optimizer steps per iteration.
+    # GRPO: 32 prompts x G=4 = 128 rollouts; minibatch 64, 2 epochs -> 4 optimizer steps per iteration.
     cfg = load_config(CONFIG, "default", ["grpo.epochs=2"])
     raw = cfg.model_dump()
     raw["grpo"]["enabled"] = True
     from rlhf.core.config import PipelineConfig
 
     d = derived_quantities(PipelineConfig.model_validate(raw))
-    assert d["grpo"]["rollouts_per_iteration"] == 64 and d["grpo"]["optimizer_steps_per_iteration"] == 4
+    assert d["grpo"]["rollouts_per_iteration"] == 128 and d["grpo"]["optimizer_steps_per_iteration"] == 4
 
 
 def test_config_is_frozen():
