@@ -127,7 +127,7 @@ def start_weed(data: Path, ports: dict[str, int]):
 
 def stop_weed(proc, graceful: bool = True) -> None:
     """SIGTERM and wait (SeaweedFS flushes and stops in about 15 s: its filer waits out open metadata
-    streams), or SIGKILL where the data folder is thrown away next (the session's end)."""
+    streams), or SIGKILL where the data folder is thrown away next (the session's end, a test's cleanup)."""
     if not graceful:
         proc.kill()
         proc.wait()
