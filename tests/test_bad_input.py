@@ -81,6 +81,8 @@ CASES = [
     ("greedy-samples", ["eval.samples_per_prompt=4"], [], None, {}, "eval.samples_per_prompt: greedy decoding (temperature 0) gives one sample"),
     ("dpo-rounds-no-prefs", [*PAIRS_OFF, "dpo.rounds=2"], [], None, {}, "dpo.rounds: 2 rounds sample and judge with the preferences settings"),
     ("dpo-rounds-prompts", ["dpo.rounds=4"], [], None, {}, "dpo.rounds: 3 later rounds of 384 fresh prompts need data.rl_size >= 1152, got 1024"),
+    ("rl-pool", ["grpo.prompts_per_iteration=2000", "grpo.minibatch_size=8"], [], None, {},
+     "grpo.prompts_per_iteration: each iteration draws distinct prompts from the RL pool of 1024 (data.rl_size, or data.train_size when it is 0), got 2000"),
     ("dpo-rounds-max", ["dpo.rounds=17"], [], None, {}, "dpo.rounds: must be <= 16, got 17"),
     ("prefs-k", ["preferences.samples_per_prompt=1"], [], None, {}, "preferences.samples_per_prompt: must be >= 2, got 1"),
     ("nodes-split", ["sft.launch.nnodes=3", "sft.launch.processes=4", "sft.launch.rendezvous=127.0.0.1:29500"], [], None, {},

@@ -814,6 +814,10 @@ class PipelineConfig(Strict):
             if rl.enabled and rl.init_from != "sft" and not self.stage(rl.init_from).enabled:
                 raise ValueError(f"{name}.init_from: {rl.init_from!r} needs {rl.init_from}.enabled: true "
                                  f"(or {name}.init_from: sft)")
+            pool = self.data.rl_size or self.data.train_size  # what Task.rl draws from (rl_size 0: the SFT problems)
+            if rl.enabled and rl.prompts_per_iteration > pool:
+                raise ValueError(f"{name}.prompts_per_iteration: each iteration draws distinct prompts from the RL pool "
+                                 f"of {pool} (data.rl_size, or data.train_size when it is 0), got {rl.prompts_per_iteration}")
             if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
                 raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
             if rl.enabled and rl.launch.ray.scorers == "own" and not rl.frozen_models():
