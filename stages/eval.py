@@ -53,22 +53,37 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, prompts: list[list[dict]
     return out
 
 
+def distinct(keys: list) -> tuple[list[int], list[int]]:
+    """The first row of each distinct key, and for every row the position of its key in that list.
+    Policies often give the same greedy answer to a prompt (SFT, DPO and GRPO agree on most): a frozen
+    scorer sees each (prompt, answer) once."""
+    position: dict = {}
+    rows, where = [], []
+    for i, k in enumerate(keys):
+        if k not in position:
+            position[k] = len(rows)
+            rows.append(i)
+        where.append(position[k])
+    return rows, where
+
+
 def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]]:
     """Per-sample sum_t (log pi - log pi_ref) on each policy's own samples, ref = SFT (or base); the
     reference's own samples are 0 by definition (not scored again: a quarter of this pass in the default)."""
     ref = "sft" if "sft" in ctx.inputs else "base"
     out = {ref: [0.0] * len(gens[ref])} if ref in gens else {}
-    if not set(gens) - set(out):
+    scored = [p for p in gens if p not in out]
+    if not scored:
         return out
     path = policy_path(ctx, ref)
     tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
     prompt_ids = [chat_ids(tok, p) for p in prompts]
-    for policy, samples in gens.items():
-        if policy in out:
-            continue
-        ref_lp = response_logps(model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples],
-                                tok.pad_token_id, cfg.batch_size)
-        out[policy] = [float(sum(g.logprobs) - sum(r)) for g, r in zip(samples, ref_lp)]
+    samples = [g for p in scored for g in gens[p]]
+    rows, where = distinct([(g.prompt_index, tuple(g.token_ids)) for g in samples])
+    ref_lp = response_logps(model, [list(prompt_ids[samples[i].prompt_index]) for i in rows],
+                            [samples[i].token_ids for i in rows], tok.pad_token_id, cfg.batch_size)
+    ratios = iter(float(sum(g.logprobs) - sum(ref_lp[w])) for g, w in zip(samples, where))
+    out.update({p: [next(ratios) for _ in gens[p]] for p in scored})
     return out
 
 
@@ -76,10 +91,12 @@ def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list
     if "reward_model" not in ctx.inputs:
         return None
     model, tok = load_reward_model(fetch_model(ctx, "reward_model"), ctx.cfg.model.dtype)
-    return {
-        policy: reward_model_scores(model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size)
-        for policy, samples in gens.items()
-    }
+    samples = [g for p in gens for g in gens[p]]
+    rows, where = distinct([(g.prompt_index, g.text) for g in samples])
+    scores = reward_model_scores(model, tok, [prompts[samples[i].prompt_index] + [assistant(samples[i].text)] for i in rows],
+                                 cfg.batch_size)
+    flat = iter(scores[w] for w in where)
+    return {p: [next(flat) for _ in gens[p]] for p in gens}
 
 
 def battles(cfg: EvalConfig, correct: dict[str, np.ndarray], rewards: dict[str, np.ndarray] | None, ids: list[tuple]) -> list[dict]:

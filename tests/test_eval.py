@@ -13,7 +13,7 @@ from rlhf.core.config import EvalConfig, StorageConfig
 from rlhf.ops.results import SCHEMAS, QueryRefused, query
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
-from stages.eval import battles
+from stages.eval import battles, distinct
 
 BASE_AND_SFT = (*only("sft", "eval"), "eval.policies=[base, sft]", "eval.judge=verifier")
 
@@ -32,6 +32,13 @@ def test_battle_judging_by_hand():
     assert got[("reward_model", "base", "sft", "eval-1")] == 1.0  # 2.0 vs 1.0
     assert got[("reward_model", "sft", "dpo", "eval-0")] == 0.0
     assert len(rows) == 2 * 3 * 2  # judges x pairs x prompts
+
+
+def test_distinct_rows_by_hand():
+    # policies a, b, a again on prompt 0, one new, b again: three rows scored, each answer mapped back to its own
+    rows, where = distinct([(0, "12"), (1, "7"), (0, "12"), (0, "13"), (1, "7")])
+    assert rows == [0, 1, 3] and where == [0, 1, 0, 2, 1]
+    assert distinct([]) == ([], [])
 
 
 def test_eval_stage_tables_chart_and_accumulating_views(tiny_cfg, tmp_path):
