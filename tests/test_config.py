@@ -89,8 +89,13 @@ def test_derived_quantities_by_hand():
     assert d["reward_model"]["optimizer_steps"] == "at most 48"
     d = derived_quantities(load_config(CONFIG, "default", ["preferences.max_pairs_per_prompt=null"]))
     assert d["dpo"]["train_rows"] == f"from the preferences stage (at most {384 * 28})"
-    # GRPO: 32 prompts x G=4 = 128 rollouts; minibatch 64, 2 epochs -> 4 optimizer steps per iteration.
-    cfg = load_config(CONFIG, "default", ["grpo.epochs=2"])
+    # GRPO: 32 prompts x G=4 = 128 rollouts; minibatch 64, 2 epochs -> 4 optimizer steps per iteration, fewer
+    # when uniform groups are skipped (the default's).
+    d = derived_quantities(load_config(CONFIG, "default"))
+    assert d["grpo"]["optimizer_steps_per_iteration"] == "at most 2"
+    d = derived_quantities(load_config(CONFIG, "default", ["grpo.minibatch_size=32", "grpo.skip_uniform_groups=false"]))
+    assert d["grpo"]["optimizer_steps_per_iteration"] == 4
+    cfg = load_config(CONFIG, "default", ["grpo.epochs=2", "grpo.skip_uniform_groups=false"])
     raw = cfg.model_dump()
     raw["grpo"]["enabled"] = True
     from rlhf.core.config import PipelineConfig

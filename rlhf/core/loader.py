@@ -307,9 +307,11 @@ def derived_quantities(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         if not st.enabled:
             continue
         rollouts = st.rollouts_per_iteration()
+        steps = st.epochs * rollouts // st.minibatch_size
         out[name] = {
             "rollouts_per_iteration": rollouts,
-            "optimizer_steps_per_iteration": st.epochs * rollouts // st.minibatch_size,
+            # skipped uniform groups shrink the trained batch (to a quarter of it in the default run)
+            "optimizer_steps_per_iteration": f"at most {steps}" if getattr(st, "skip_uniform_groups", False) else steps,
             "total_rollouts": rollouts * st.iterations,
             "max_tokens_generated": rollouts * st.iterations * cfg.rollout.max_new_tokens,
         }
