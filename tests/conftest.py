@@ -16,9 +16,15 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
+# One OpenMP pool per xdist worker, sized to its share of the cores, set before torch loads: each process
+# otherwise starts one thread per core, and 3 workers (plus their stage subprocesses, which inherit this)
+# on 2 cores spin in each other's OpenMP barriers. Measured in docs/benchmarks.md ("The test suite's wall time").
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
-from rlhf.core.models import home
+import pytest  # noqa: E402
+
+from rlhf.core.models import home  # noqa: E402
 from rlhf.core.registry import NAMES as STAGES
 
 REPO = Path(__file__).resolve().parent.parent
