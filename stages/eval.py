@@ -67,6 +67,16 @@ def distinct(keys: list) -> tuple[list[int], list[int]]:
     return rows, where
 
 
+def score_distinct(gens: dict[str, list], policies: list[str], key, score) -> dict[str, list]:
+    """`score(samples) -> one value per sample` run once per distinct `key(sample)` over the policies'
+    samples, each value mapped back to every sample with that key, per policy."""
+    samples = [g for p in policies for g in gens[p]]
+    rows, where = distinct([key(g) for g in samples])
+    values = score([samples[i] for i in rows])
+    flat = iter(values[w] for w in where)
+    return {p: [next(flat) for _ in gens[p]] for p in policies}
+
+
 def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]]:
     """Per-sample sum_t (log pi - log pi_ref) on each policy's own samples, ref = SFT (or base); the
     reference's own samples are 0 by definition (not scored again: a quarter of this pass in the default)."""
@@ -78,12 +88,10 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
     path = policy_path(ctx, ref)
     tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
     prompt_ids = [chat_ids(tok, p) for p in prompts]
-    samples = [g for p in scored for g in gens[p]]
-    rows, where = distinct([(g.prompt_index, tuple(g.token_ids)) for g in samples])
-    ref_lp = response_logps(model, [list(prompt_ids[samples[i].prompt_index]) for i in rows],
-                            [samples[i].token_ids for i in rows], tok.pad_token_id, cfg.batch_size)
-    ratios = iter(float(sum(g.logprobs) - sum(ref_lp[w])) for g, w in zip(samples, where))
-    out.update({p: [next(ratios) for _ in gens[p]] for p in scored})
+    ref_lp = score_distinct(gens, scored, lambda g: (g.prompt_index, tuple(g.token_ids)), lambda samples: response_logps(
+        model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples], tok.pad_token_id,
+        cfg.batch_size))
+    out.update({p: [float(sum(g.logprobs) - sum(r)) for g, r in zip(gens[p], ref_lp[p])] for p in scored})
     return out
 
 
@@ -91,12 +99,8 @@ def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list
     if "reward_model" not in ctx.inputs:
         return None
     model, tok = load_reward_model(fetch_model(ctx, "reward_model"), ctx.cfg.model.dtype)
-    samples = [g for p in gens for g in gens[p]]
-    rows, where = distinct([(g.prompt_index, g.text) for g in samples])
-    scores = reward_model_scores(model, tok, [prompts[samples[i].prompt_index] + [assistant(samples[i].text)] for i in rows],
-                                 cfg.batch_size)
-    flat = iter(scores[w] for w in where)
-    return {p: [next(flat) for _ in gens[p]] for p in gens}
+    return score_distinct(gens, list(gens), lambda g: (g.prompt_index, g.text), lambda samples: reward_model_scores(
+        model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size))
 
 
 def battles(cfg: EvalConfig, correct: dict[str, np.ndarray], rewards: dict[str, np.ndarray] | None, ids: list[tuple]) -> list[dict]:

@@ -13,7 +13,7 @@ from rlhf.core.config import EvalConfig, StorageConfig
 from rlhf.ops.results import SCHEMAS, QueryRefused, query
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
-from stages.eval import battles, distinct
+from stages.eval import battles, distinct, score_distinct
 
 BASE_AND_SFT = (*only("sft", "eval"), "eval.policies=[base, sft]", "eval.judge=verifier")
 
@@ -39,6 +39,12 @@ def test_distinct_rows_by_hand():
     rows, where = distinct([(0, "12"), (1, "7"), (0, "12"), (0, "13"), (1, "7")])
     assert rows == [0, 1, 3] and where == [0, 1, 0, 2, 1]
     assert distinct([]) == ([], [])
+    # the scorer sees each distinct answer once; every policy gets a value per sample, in its own order
+    gens = {"sft": ["12", "7"], "dpo": ["12", "9"], "grpo": ["7", "12"]}
+    seen = []
+    got = score_distinct(gens, ["sft", "dpo", "grpo"], lambda g: g, lambda xs: seen.extend(xs) or [int(x) * 10 for x in xs])
+    assert seen == ["12", "7", "9"]
+    assert got == {"sft": [120, 70], "dpo": [120, 90], "grpo": [70, 120]}
 
 
 def test_eval_stage_tables_chart_and_accumulating_views(tiny_cfg, tmp_path):
