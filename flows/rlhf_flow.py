@@ -11,15 +11,16 @@ named rlhf.py would replace the `rlhf` package in the flow-run process (tests/te
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.settings import PREFECT_API_URL
 
 from rlhf.core import progress
 
-from rlhf.pipeline import preflight
-from rlhf.core.loader import load_config, validate
+from rlhf.pipeline import liveruns, preflight
+from rlhf.core.loader import ConfigError, load_config, validate
 from rlhf.pipeline.lock import RunLock
 from rlhf.core.registry import plan
 from rlhf.pipeline.runner import execute_stage, stage_identity
@@ -60,7 +61,7 @@ class ProgressArtifact:
     UI shows how far the stage is; fed by rlhf.core.progress, which the stage loops report to."""
 
     def __init__(self, min_interval: float = 3.0):
-        self.id, self.last, self.min_interval = None, 0.0, min_interval
+        self.id, self.last, self.min_interval, self.failed = None, 0.0, min_interval, False
 
     def __call__(self, stage: str, fraction: float) -> None:
         import time
@@ -68,18 +69,24 @@ class ProgressArtifact:
         from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
         now = time.monotonic()
-        if self.id is None:
-            self.id = create_progress_artifact(progress=100 * fraction, description=f"stage {stage}")
-        elif fraction >= 1.0 or now - self.last >= self.min_interval:
-            update_progress_artifact(artifact_id=self.id, progress=100 * fraction)
-        else:
-            return
+        try:
+            if self.id is None:
+                self.id = create_progress_artifact(progress=100 * fraction, description=f"stage {stage}")
+            elif fraction >= 1.0 or now - self.last >= self.min_interval:
+                update_progress_artifact(artifact_id=self.id, progress=100 * fraction)
+            else:
+                return
+        except Exception as e:  # a progress bar never fails a stage (an API that went away is watched elsewhere)
+            if not self.failed:
+                logging.getLogger("rlhf.progress").warning("%s: progress not shown in the UI: %s: %s", stage,
+                                                           type(e).__name__, e)
+            self.failed = True
         self.last = now
 
 
 def _run_stage(config: dict, stage: str) -> dict:
     cfg = validate(config, f"resolved config of stage {stage}")
-    with stage_logs_to_prefect(), progress.listening(ProgressArtifact()):
+    with stage_logs_to_prefect(), progress.listening(ProgressArtifact(), stage):
         manifest = execute_stage(cfg, stage)
     return {k: manifest[k] for k in SUMMARY}
 
@@ -151,6 +158,8 @@ def rlhf(
     (the `rlhf/full` deployment) sends each stage to the work pool its config names."""
     overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
     cfg = load_config(config_path, profile, overrides)
+    if problems := preflight.network_problems(cfg):  # `rlhf run` asked already; a deployment run asks here
+        raise ConfigError(config_path, problems)
     # Tasks get the resolved config (a small dict), not the file path: editing pipeline.yaml during a
     # run cannot change its later stages, and a worker elsewhere needs no copy of the file.
     resolved = cfg.model_dump(mode="json")
@@ -163,7 +172,10 @@ def rlhf(
             logger.warning("preflight: %s", line.removeprefix("WARNING "))
         else:
             logger.info("preflight: %s", line)
-    with RunLock(ArtifactStore(cfg.storage), cfg.run.name):  # refuses a second live run of this name
+    store = ArtifactStore(cfg.storage)
+    api = PREFECT_API_URL.value()  # None: a temporary API of this process's own, which `rlhf down` cannot stop
+    # the lock refuses a second live run of this name; the record tells `rlhf down` that this run uses its API
+    with RunLock(store, cfg.run.name), liveruns.registered(api, cfg.run.name, store.url(store.root)) if api else nullcontext():
         results = run_plan(cfg, resolved, dispatch, logger)
     if "eval" in plan(cfg):
         publish_leaderboard(cfg)

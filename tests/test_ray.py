@@ -28,6 +28,7 @@ from rlhf.core.config import LaunchConfig
 from rlhf.core.loader import ConfigError, load_config
 from rlhf.ops.cli import app
 from rlhf.pipeline.launch import LaunchError
+from rlhf.pipeline.preflight import network_problems
 from rlhf.pipeline.runner import content_key, execute_stage
 from rlhf.train.training import CRASH_ENV
 
@@ -178,22 +179,69 @@ def test_validate_prints_the_bundles_and_refuses_what_the_cluster_cannot_place(r
     for bad, why in ((["sft.launch.ray.gpus_per_rank=1"], "needs 2 GPU in all, the cluster has 0"),
                      (["sft.launch.processes=3"], "needs 3 CPU in all, the cluster has 2"),
                      (["sft.launch.processes=1", "sft.launch.ray.cpus_per_rank=2", "sft.launch.ray.strategy=PACK"], "bundle 0 ({'CPU': 2.0}) fits on no node")):
-        with pytest.raises(ConfigError, match=r"sft\.launch\.ray: the cluster at .* cannot place .*" + re.escape(why)):
-            load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, *bad])
+        [problem] = network_problems(load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, *bad]))
+        assert re.match(r"sft\.launch\.ray: the cluster at .* cannot place .*" + re.escape(why), problem), problem
     engine = ["grpo.launch.backend=ray", "grpo.launch.ray.engine=own", "grpo.launch.ray.strategy=STRICT_SPREAD"]
     result = CliRunner().invoke(app, ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", s] for s in engine), [])])
     assert result.exit_code == 0 and "1 x {CPU: 1.0} + engine {CPU: 1.0} (STRICT_SPREAD)" in result.output, result.output
-    with pytest.raises(ConfigError, match=r"grpo\.launch\.ray: the cluster at .* cannot place 2 x \{CPU: 1.0\} \+ engine .*needs 3 CPU in all"):
-        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *engine, "grpo.launch.processes=2"])
+    too_many = [f"storage.url={tmp_path}", *engine, "grpo.launch.processes=2"]
+    result = CliRunner().invoke(app, ["validate", "--profile", "tiny", *sum((["--set", s] for s in too_many), [])])
+    assert result.exit_code == 2, result.output
+    assert re.search(r"grpo\.launch\.ray: the cluster at .* cannot place 2 x \{CPU: 1.0\} \+ engine .*needs 3 CPU in all", result.stderr)
     assert not any(Path(tmp_path).iterdir())
+
+
+@pytest.mark.slow  # the CLI in a subprocess: a temporary Prefect server, 2 rank actors on 2 cores
+def test_rlhf_run_in_a_subprocess_runs_a_stage_on_ray_without_a_token(ray_cluster, tmp_path):
+    """The documented command-line path: `rlhf run` preflights the cluster (in a child process: Ray's client
+    does not survive the fork that runs the flow) and then runs the stage's ranks there."""
+    sets = sum((["--set", s] for s in [f"storage.url={tmp_path}", *RAY, *only("sft")]), [])
+    done = run_cli("run", "--profile", "tiny", "--run-name", "cli", *sets, env={"RAY_ADDRESS": ray_cluster}, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "sft: ran" in done.stdout and (tmp_path / "cli" / "sft" / "manifest.json").is_file()
+    assert live_placement_groups(ray_cluster) == []
+
+
+@pytest.mark.slow  # a stage waiting for a placement that the cluster cannot give while a test holds its CPUs
+def test_sigterm_while_a_stage_waits_for_ray_placement_stops_the_run_within_seconds(ray_cluster, tmp_path):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from test_lifecycle import gone, start_run, stop_and_time, wait_until
+
+    ray.init(address=ray_cluster, log_to_driver=False)
+    held = placement_group([{"CPU": 1.0}] * 2, strategy="STRICT_SPREAD")  # every CPU of both nodes
+    try:
+        ray.get(held.ready(), timeout=60)
+        run = start_run("waits", tmp_path, *RAY, env={**os.environ, "RAY_ADDRESS": ray_cluster})
+        attempt = tmp_path / "waits" / "sft" / "_attempt.json"
+        wait_until(attempt.exists, run, "the stage's start")
+        time.sleep(3)  # the stage joins the cluster and asks for its placement group, which cannot be placed
+        assert run.poll() is None
+        seconds, out, started = stop_and_time(run, signal.SIGTERM)
+        assert run.returncode == 143 and seconds < 10, (run.returncode, seconds, out[-3000:])
+        assert "Traceback" not in out and not gone(started)
+        assert not (tmp_path / "waits" / "_lock.json").exists()
+        deadline = time.time() + 30  # the run's own placement group goes with its driver
+        while time.time() < deadline and [pg for pg in ray.util.placement_group_table().values()
+                                          if pg["state"] != "REMOVED" and pg["placement_group_id"] != held.id.hex()]:
+            time.sleep(0.5)
+        assert [pg["placement_group_id"] for pg in ray.util.placement_group_table().values()
+                if pg["state"] != "REMOVED"] == [held.id.hex()]
+    finally:
+        remove_placement_group(held)
+        ray.shutdown()
 
 
 def test_an_unreachable_or_missing_address_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: not set: set it or RAY_ADDRESS"):
         load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY])
-    with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: no Ray cluster answers at 127\.0\.0\.1:9 \("):
-        load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, "sft.launch.ray.address=127.0.0.1:9"])
+    refused = load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY, "sft.launch.ray.address=127.0.0.1:9"])
+    t0 = time.monotonic()
+    assert network_problems(refused, timeout=2) == [
+        "sft.launch.ray.address: no Ray cluster answers at 127.0.0.1:9 within 2 s (Connection refused)"]
+    assert time.monotonic() - t0 < 2
     monkeypatch.setenv("RAY_ADDRESS", "ray://me:s3cr3t@head:10001")
     with pytest.raises(ConfigError, match=r"sft\.launch\.ray\.address: the Ray address \(RAY_ADDRESS\) is not host:port") as e:
         load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *RAY])
@@ -270,6 +318,11 @@ def test_rlhf_up_ray_head_is_local_token_guarded_and_stopped_by_down(tmp_path):
         client = {"RAY_ADDRESS": addr, **services.ray_client_env(state)}
         ok = run_cli(*args, "--set", "sft.launch.processes=1", env=client)
         assert ok.returncode == 0 and "1 x {CPU: 1.0} (PACK)" in ok.stdout, ok.stdout + ok.stderr
+        # ... and `rlhf run` completes there through the CLI, with the token's environment alone
+        ran = run_cli("run", "--profile", "tiny", "--run-name", "token", "--set", f"storage.url={tmp_path / 'a'}",
+                      "--set", "sft.launch.backend=ray", "--set", "sft.launch.processes=1",
+                      *sum((["--set", o] for o in only("sft")), []), env=client, timeout=300)
+        assert ran.returncode == 0 and "sft: ran" in ran.stdout, ran.stdout[-2000:] + ran.stderr[-3000:]
         too_big = run_cli(*args, "--set", "sft.launch.processes=2", env=client)
         assert too_big.returncode == 2 and "needs 2 CPU in all, the cluster has 1" in too_big.stderr, too_big.stderr
         # ... and a client without the token is refused: the head listens beyond loopback (Ray 2.60 has no bind option)

@@ -17,6 +17,7 @@ from wandb.proto.wandb_internal_pb2 import Record
 from rlhf.core import tracking
 from rlhf.core.loader import ConfigError, load_config
 from rlhf.core.store import ArtifactStore
+from rlhf.pipeline.preflight import network_problems
 from rlhf.pipeline.runner import execute_stage
 
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -125,13 +126,13 @@ def test_online_wandb_without_a_key_or_a_server_fails_validation(monkeypatch, tm
     with pytest.raises(ConfigError, match=r"tracking.wandb.mode: online, but no W&B API key: set WANDB_API_KEY"):
         load_config(CONFIG, "tiny", online)
     monkeypatch.setenv("WANDB_API_KEY", "secret-value-never-shown")
-    with pytest.raises(ConfigError, match=r"no W&B server answers at http://127.0.0.1:9") as e:
-        load_config(CONFIG, "tiny", online)
-    assert "secret-value-never-shown" not in str(e.value)
+    cfg = load_config(CONFIG, "tiny", online)  # the key is there; loading asks no server
+    [problem] = network_problems(cfg)  # preflight does
+    assert problem.startswith("tracking.wandb.mode: online, but no W&B server answers at http://127.0.0.1:9")
+    assert "secret-value-never-shown" not in problem
     monkeypatch.setenv("WANDB_BASE_URL", "http://me:s3cr3t@127.0.0.1:9/path")  # shown as scheme://host:port only
-    with pytest.raises(ConfigError, match=r"no W&B server answers at http://127.0.0.1:9 \(") as e:
-        load_config(CONFIG, "tiny", online)
-    assert "s3cr3t" not in str(e.value)
+    [problem] = network_problems(cfg)
+    assert "no W&B server answers at http://127.0.0.1:9 (" in problem and "s3cr3t" not in problem
     assert not any(tmp_path.iterdir())
     load_config(CONFIG, "tiny", ["tracking.backends=[wandb]", f"storage.url={tmp_path}"])  # offline needs neither
 

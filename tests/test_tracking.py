@@ -77,8 +77,7 @@ def mlflow_uri(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     state = tmp_path_factory.mktemp("services")
-    cfg = load_config(CONFIG, "tiny", ["tracking.backends=[mlflow]", f"tracking.mlflow.uri=http://127.0.0.1:{port}"],
-                      reachability=False)
+    cfg = load_config(CONFIG, "tiny", ["tracking.backends=[mlflow]", f"tracking.mlflow.uri=http://127.0.0.1:{port}"])
     uri = services.start_mlflow(cfg, state, log=lambda *_: None)
     pid = int((state / "mlflow.pid").read_text())
     assert services.start_mlflow(cfg, state, log=lambda *_: None) == uri  # healthy: reused, not started twice

@@ -1,6 +1,7 @@
 """A Ray cluster as a launch target (`<stage>.launch.backend: ray`): its address, the bundles a stage
-reserves, and whether the cluster can place them. Checked at load time, before anything is written; the
-launcher itself is rlhf/pipeline/ray_launch.py."""
+reserves, and whether the cluster can place them. The address is checked at load time (no network), the
+cluster by preflight's network probes, before anything is written; the launcher itself is
+rlhf/pipeline/ray_launch.py."""
 
 from __future__ import annotations
 
@@ -19,18 +20,26 @@ def address(ray_cfg: RayLaunch, env: dict | None = None) -> str | None:
     return ray_cfg.address or env.get("RAY_ADDRESS") or None
 
 
-def address_problem(addr: str | None, timeout: float = 3.0) -> str | None:
-    """Why no Ray head answers at `addr` (a TCP connection to its GCS port), or None."""
+def address_syntax_problem(addr: str | None) -> str | None:
+    """Why `addr` is not host:port of a Ray head (checked at load time, no network), or None."""
     if not addr:
         return "no Ray address: set launch.ray.address or RAY_ADDRESS (host:port of the head)"
     host, _, port = addr.rpartition(":")
     if not re.fullmatch(r"[A-Za-z0-9.-]+", host) or not port.isdigit():  # from RAY_ADDRESS: not echoed
         return "the Ray address (RAY_ADDRESS) is not host:port of the cluster's head (ray:// client URLs and 'auto' are not supported)"
+    return None
+
+
+def address_problem(addr: str | None, timeout: float = 3.0) -> str | None:
+    """Why no Ray head answers at `addr` (a TCP connection to its GCS port, at most `timeout` s), or None."""
+    if why := address_syntax_problem(addr):
+        return why
+    host, _, port = addr.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
             return None
     except OSError as e:
-        return f"no Ray cluster answers at {addr} ({e.strerror or e})"
+        return f"no Ray cluster answers at {addr} within {timeout:g} s ({e.strerror or e})"
 
 
 def _bundle(cpus: float, gpus: int) -> dict[str, float]:
@@ -96,27 +105,36 @@ def unplaceable(want: list[dict[str, float]], nodes: list[dict[str, float]], str
     return None
 
 
-def cluster_problem(launch: LaunchConfig) -> str | None:
-    """Connects to the cluster and says why it cannot place this stage's bundles, or why it could not connect
-    (None: it can place them)."""
-    import ray
+PROBE_SECONDS = 30.0  # joining a live head takes 2-5 s on 2 busy cores; a port that is not a Ray head never answers
 
-    connected_here = not ray.is_initialized()
-    if connected_here:
-        try:
-            ray.init(address=address(launch.ray), logging_level=logging.WARNING, log_to_driver=False)
-        except Exception as e:  # Ray raises ConnectionError, RuntimeError, AuthenticationError...
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            return (f"could not join the cluster at {address(launch.ray)} as a Ray client ({type(e).__name__}: {first}); "
-                    "a head with token authentication (as `rlhf up --ray` starts) also needs RAY_AUTH_MODE=token "
-                    "and RAY_AUTH_TOKEN_PATH (or RAY_AUTH_TOKEN)")
+
+def alive_nodes(addr: str, timeout: float = PROBE_SECONDS) -> list[dict[str, float]] | str:
+    """The resources of the cluster's live nodes, or why they could not be read. Asked by a short-lived child
+    process (`python -m rlhf.core.cluster ADDRESS`): Ray's client keeps gRPC threads that do not survive a
+    fork, so the process that runs the flow (a fork of `rlhf run`) must not have joined the cluster, and a
+    head that accepts the connection but never answers costs `timeout` seconds, not a hang. The child dies
+    with this process (PR_SET_PDEATHSIG) and is killed on timeout or on SIGTERM here (subprocess.run)."""
+    import json
+    import subprocess
+    import sys
+
+    from rlhf.core.proc import die_with_parent
+
     try:
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    finally:
-        if connected_here:
-            ray.shutdown()
-    why = unplaceable(bundles(launch), nodes, launch.ray.strategy)
-    return why and f"the cluster at {address(launch.ray)} cannot place {describe(launch)}: {why}"
+        done = subprocess.run([sys.executable, "-m", "rlhf.core.cluster", addr], capture_output=True, text=True,
+                              timeout=timeout, preexec_fn=die_with_parent, env={**os.environ, "RAY_ADDRESS": addr})
+    except subprocess.TimeoutExpired:
+        return f"something answers at {addr}, but no Ray head joined within {timeout:g} s (is it a Ray GCS port?)"
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if "nodes" in answer:
+        return answer["nodes"]
+    why = answer.get("error") or (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1][:300]
+    return (f"could not join the cluster at {addr} as a Ray client ({why}); a head with token authentication (as "
+            "`rlhf up --ray` starts) also needs RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (or RAY_AUTH_TOKEN)")
 
 
 def ray_stages(cfg: PipelineConfig) -> dict[str, LaunchConfig]:
@@ -130,24 +148,64 @@ def ray_stages(cfg: PipelineConfig) -> dict[str, LaunchConfig]:
     return out
 
 
-def launch_problems(cfg: PipelineConfig, reachability: bool = True) -> list[str]:
-    """'<stage>.launch...' lines for Ray launches this machine cannot start (checked before any work)."""
+def launch_problems(cfg: PipelineConfig) -> list[str]:
+    """'<stage>.launch...' lines for Ray launches this machine cannot start, from the config and the installed
+    packages alone (load time: no network; the cluster itself is probed by `network_problems`)."""
     import importlib.util
 
     stages = ray_stages(cfg)
-    if not stages:
-        return []
-    if importlib.util.find_spec("ray") is None:
+    if stages and importlib.util.find_spec("ray") is None:
         return [f"{s}.launch.backend: 'ray' needs the ray package, which is not installed: pip install ray==2.60.0 "
                 "(or the [ray] extra)" for s in stages]
     out = []
     for name, launch in stages.items():
         if not address(launch.ray):
             out.append(f"{name}.launch.ray.address: not set: set it or RAY_ADDRESS (host:port of the cluster's head)")
-        elif not reachability:
-            continue
-        elif why := address_problem(address(launch.ray)):
+        elif why := address_syntax_problem(address(launch.ray)):
             out.append(f"{name}.launch.ray.address: {why}")
-        elif why := cluster_problem(launch):
-            out.append(f"{name}.launch.ray: {why}")
     return out
+
+
+def network_problems(cfg: PipelineConfig, timeout: float = 3.0) -> list[str]:
+    """'<stage>.launch.ray...' lines for Ray heads that do not answer within `timeout` s, or that answer but
+    cannot place the stage's bundles (within PROBE_SECONDS). Stages on the same cluster share one question."""
+    out, asked = [], {}
+    for name, launch in ray_stages(cfg).items():
+        addr = address(launch.ray)
+        if why := address_problem(addr, timeout):
+            out.append(f"{name}.launch.ray.address: {why}")
+            continue
+        if addr not in asked:
+            asked[addr] = alive_nodes(addr)
+        nodes = asked[addr]
+        if isinstance(nodes, str):
+            out.append(f"{name}.launch.ray: {nodes}")
+        elif why := unplaceable(bundles(launch), nodes, launch.ray.strategy):
+            out.append(f"{name}.launch.ray: the cluster at {addr} cannot place {describe(launch)}: {why}")
+    return out
+
+
+def _print_alive_nodes(addr: str) -> int:
+    """The probe's child process: one JSON line, {"nodes": [...]} or {"error": "..."}."""
+    import json
+
+    try:
+        import ray
+
+        ray.init(address=addr, logging_level=logging.ERROR, log_to_driver=False)
+        try:
+            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        finally:
+            ray.shutdown()
+    except Exception as e:  # Ray raises ConnectionError, RuntimeError, AuthenticationError...
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(json.dumps({"error": f"{type(e).__name__}: {first}"}), flush=True)
+        return 3
+    print(json.dumps({"nodes": nodes}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_print_alive_nodes(sys.argv[1]))

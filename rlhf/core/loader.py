@@ -191,13 +191,12 @@ def _resolve_local(url: str | None, base: Path) -> str | None:
     return str(path if path.is_absolute() else (base / path).resolve())
 
 
-def load_config(path: str | Path, profile: str = "default", overrides: list[str] | tuple = (),
-                reachability: bool = True) -> PipelineConfig:
+def load_config(path: str | Path, profile: str = "default", overrides: list[str] | tuple = ()) -> PipelineConfig:
     """Read `path`, merge `profiles.<profile>` over the base, apply overrides, validate.
 
     Relative local paths (storage.url, data.*_path) resolve against the config file's folder, so a
-    worker started elsewhere reads the same artifacts. `reachability`: also check that the tracking
-    servers answer (`rlhf up`, which starts them, loads without it).
+    worker started elsewhere reads the same artifacts. Makes no network call: the servers a run reaches
+    (S3, tracking, Ray) are probed by rlhf.pipeline.preflight.network_problems.
     """
     path = Path(path)
     if not path.is_file():
@@ -231,8 +230,7 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
     cfg = validate(raw, str(path))
-    problems = (local_path_problems(cfg) + tracking.backend_problems(cfg.tracking, reachability)
-                + cluster.launch_problems(cfg, reachability))
+    problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking) + cluster.launch_problems(cfg)
     if problems:
         raise ConfigError(str(path), problems)
     return cfg

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 _listener: Callable[[str, float], None] | None = None
+_stage: str | None = None
 
 
 def report(stage: str, done: float, total: float) -> None:
@@ -16,11 +17,16 @@ def report(stage: str, done: float, total: float) -> None:
         _listener(stage, min(max(done / total, 0.0), 1.0))
 
 
+def current_stage() -> str | None:
+    """The stage whose run is being listened to (for messages about the whole run), or None."""
+    return _stage
+
+
 @contextmanager
-def listening(fn: Callable[[str, float], None]):
-    global _listener
-    previous, _listener = _listener, fn
+def listening(fn: Callable[[str, float], None], stage: str | None = None):
+    global _listener, _stage
+    previous, _listener, previous_stage, _stage = _listener, fn, _stage, stage
     try:
         yield
     finally:
-        _listener = previous
+        _listener, _stage = previous, previous_stage

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from rlhf.core.config import StorageConfig, check_name
 from rlhf.core.manifest import Manifest, ManifestError
 from rlhf.core.manifest import check as check_manifest
+from rlhf.core.net import http_status, shown
 
 MANIFEST = "manifest.json"
 ATTEMPT = "_attempt.json"
@@ -79,14 +80,34 @@ def retrying(op: str):
     return wrap
 
 
+def endpoint(cfg: StorageConfig) -> tuple[str | None, str]:
+    """The S3 endpoint a store on s3:// talks to, and where that came from (None for a local folder, and
+    for AWS itself, whose endpoint botocore derives from the region)."""
+    for where, url in (("storage.endpoint_url", cfg.endpoint_url), ("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+                       ("AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL"))):
+        if url:
+            return url, where
+    return None, "storage.region"
+
+
+def endpoint_problem(cfg: StorageConfig, timeout: float = 3.0) -> str | None:
+    """'storage...: ...' when the store's S3 endpoint does not answer HTTP within `timeout` s (any status
+    counts as an answer: credentials are checked by the first real request), else None."""
+    if not cfg.url.startswith("s3://"):
+        return None
+    url, where = endpoint(cfg)
+    url = url or f"https://s3.{cfg.region}.amazonaws.com"
+    _, why = http_status(url, timeout)
+    return why and f"storage: no S3 endpoint answers at {shown(url)} (from {where}) within {timeout:g} s ({why})"
+
+
 def filesystem(cfg: StorageConfig) -> tuple[fsspec.AbstractFileSystem, str]:
     """Returns (fs, root path inside fs). S3 credentials come from the environment only."""
     if cfg.url.startswith("s3://"):
         import s3fs
 
-        endpoint = cfg.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         fs = s3fs.S3FileSystem(
-            endpoint_url=endpoint,
+            endpoint_url=endpoint(cfg)[0],
             client_kwargs={"region_name": cfg.region},
             config_kwargs={"retries": {"max_attempts": 3, "mode": "standard"}},
             use_listings_cache=False,

@@ -41,14 +41,13 @@ import logging
 import math
 import os
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.core.config import TrackingConfig
+from rlhf.core.net import http_status, shown
 
 log = logging.getLogger("rlhf.tracking")
 # backend -> the module it needs, and how to get it
@@ -61,63 +60,59 @@ FOLDERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 WANDB_URL = "https://api.wandb.ai"
 
 
-def _probe(url: str, timeout: float) -> tuple[int | None, str | None]:
-    """(HTTP status, None) when something answers HTTP at `url`, else (None, why not)."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, None
-    except urllib.error.HTTPError as e:
-        return e.code, None
-    except (OSError, ValueError) as e:
-        return None, str(getattr(e, "reason", e))
-
-
 def server_problem(uri: str, timeout: float = 3.0) -> str | None:
     """Why the MLflow server at `uri` cannot be used, or None when its /health answers 200."""
-    status, why = _probe(f"{uri}/health", timeout)
+    status, why = http_status(f"{uri}/health", timeout)
     return why if why else None if status == 200 else f"/health answered HTTP {status}"
 
 
-def shown(url: str) -> str:
-    """scheme://host[:port] of a URL from the environment: its user:password@, path and query stay out of messages."""
-    parts = urllib.parse.urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname}{port}" if parts.hostname else "(unparsable URL)"
+def wandb_base(env: dict | None = None) -> str:
+    return (os.environ if env is None else env).get("WANDB_BASE_URL", WANDB_URL).rstrip("/")
 
 
-def wandb_problem(env: dict | None = None) -> str | None:
-    """Why online W&B cannot log from here: no API key, or no answer from its server (any HTTP status
-    counts as one). Neither the key nor credentials in WANDB_BASE_URL reach the message."""
+def wandb_key_problem(env: dict | None = None) -> str | None:
+    """Why online W&B has no API key here (WANDB_API_KEY, or `wandb login`'s ~/.netrc entry), or None.
+    Neither the key nor credentials in WANDB_BASE_URL reach the message."""
     env = os.environ if env is None else env
-    base = env.get("WANDB_BASE_URL", WANDB_URL).rstrip("/")
+    base = wandb_base(env)
+    if env.get("WANDB_API_KEY"):
+        return None
     try:
-        where = shown(base)
-    except ValueError:  # a port that is not a number
-        where = "(unparsable URL)"
-    if not env.get("WANDB_API_KEY"):
-        try:
-            known = netrc.netrc().authenticators(urllib.parse.urlsplit(base).hostname or "") is not None  # `wandb login`
-        except (OSError, ValueError, netrc.NetrcParseError):
-            known = False
-        if not known:
-            return f"no W&B API key: set WANDB_API_KEY or run `wandb login` (server {where})"
-    if (why := _probe(base, 3.0)[1]) is not None:
-        return f"no W&B server answers at {where} ({why}); set WANDB_BASE_URL, or use tracking.wandb.mode: offline"
+        if netrc.netrc().authenticators(urllib.parse.urlsplit(base).hostname or "") is not None:
+            return None
+    except (OSError, ValueError, netrc.NetrcParseError):
+        pass
+    return f"no W&B API key: set WANDB_API_KEY or run `wandb login` (server {shown(base)})"
+
+
+def wandb_server_problem(env: dict | None = None, timeout: float = 3.0) -> str | None:
+    """Why W&B's server does not answer within `timeout` s (any HTTP status counts as an answer), or None."""
+    base = wandb_base(env)
+    if (why := http_status(base, timeout)[1]) is not None:
+        return f"no W&B server answers at {shown(base)} ({why}); set WANDB_BASE_URL, or use tracking.wandb.mode: offline"
     return None
 
 
-def backend_problems(cfg: TrackingConfig, reachability: bool = True) -> list[str]:
-    """'tracking...' lines for backends this environment cannot run (checked before any work)."""
+def backend_problems(cfg: TrackingConfig) -> list[str]:
+    """'tracking...' lines for backends whose package is not installed (load time: no network)."""
     out = []
     for name in cfg.backends:
         module, how = NEEDS[name]
         if importlib.util.find_spec(module) is None:
             out.append(f"tracking.backends: {name!r} needs the {module} package, which is not installed: {how}")
-        elif name == "mlflow" and reachability and (why := server_problem(cfg.mlflow.uri)):
-            out.append(f"tracking.mlflow.uri: no MLflow server answers at {cfg.mlflow.uri} ({why}); `rlhf up` "
-                       "starts one for a 127.0.0.1 or localhost URI, or point tracking.mlflow.uri at yours")
-        elif name == "wandb" and cfg.wandb.mode == "online" and reachability and (why := wandb_problem()):
+        elif name == "wandb" and cfg.wandb.mode == "online" and (why := wandb_key_problem()):
             out.append(f"tracking.wandb.mode: online, but {why}")
+    return out
+
+
+def network_problems(cfg: TrackingConfig, timeout: float = 3.0) -> list[str]:
+    """'tracking...' lines for tracking servers that do not answer within `timeout` s (preflight)."""
+    out = []
+    if "mlflow" in cfg.backends and (why := server_problem(cfg.mlflow.uri, timeout)):
+        out.append(f"tracking.mlflow.uri: no MLflow server answers at {cfg.mlflow.uri} ({why}); `rlhf up` "
+                   "starts one for a 127.0.0.1 or localhost URI, or point tracking.mlflow.uri at yours")
+    if "wandb" in cfg.backends and cfg.wandb.mode == "online" and (why := wandb_server_problem(timeout=timeout)):
+        out.append(f"tracking.wandb.mode: online, but {why}")
     return out
 
 

@@ -21,21 +21,23 @@ ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
 
 
-def _load_or_exit(config: Path, profile: str, overrides: list[str], check_data: bool = False,
-                  reachability: bool = True):
-    """The config, its stage plan and (check_data) the user data files' row check as summary lines (one
-    per file; empty without check_data); exit 2 on a problem."""
+def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: bool = False):
+    """The config, its stage plan and (preflight) the user data files' row check as summary lines (one
+    per file; empty without preflight); exit 2 on a problem. Preflight also asks every server the run
+    will reach (S3, tracking, Ray) whether it answers, each within a timeout."""
     from rlhf.data.userdata import DataError
 
     try:
-        cfg = load_config(config, profile, overrides, reachability)
+        cfg = load_config(config, profile, overrides)
         from rlhf.core.registry import plan
 
         lines = []
-        if check_data:
-            from rlhf.pipeline.preflight import check_data as check
+        if preflight:
+            from rlhf.pipeline.preflight import check_data, network_problems
 
-            lines = check(cfg)
+            if problems := network_problems(cfg):
+                raise ConfigError(str(config), problems)
+            lines = check_data(cfg)
         return cfg, plan(cfg), lines
     except (ConfigError, DataError) as e:
         typer.echo(str(e), err=True)
@@ -51,7 +53,7 @@ def validate(
 ) -> None:
     """Check pipeline.yaml and the user data files; print the resolved config, the stage plan, derived
     batch quantities and the preflight (skip/resume/run per stage, memory estimate, warnings)."""
-    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], check_data=True)
+    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], preflight=True)
     from rlhf.pipeline import preflight
     from rlhf.core.store import ArtifactStore
 
@@ -85,10 +87,17 @@ def run(
     set_: SetOpt = None,
 ) -> None:
     """Run the enabled stages through the `rlhf` Prefect flow (a temporary local API unless
-    PREFECT_API_URL points at a server). Completed stages with unchanged content keys are skipped."""
+    PREFECT_API_URL points at a server). Completed stages with unchanged content keys are skipped.
+    SIGINT (Ctrl-C) or SIGTERM stops it within seconds wherever it is; a rerun resumes."""
+    import signal
+
+    from rlhf.pipeline.supervise import STOPS, exit_on_signal, fork_supervised
+
+    for sig in STOPS:  # during preflight: SystemExit, which also ends a probe's child process
+        signal.signal(sig, exit_on_signal)
     # JSON-quoted: a YAML double-quoted string, so `123` or `2024-01-01` stay names, and "" is refused, not ignored.
     overrides = list(set_ or []) + ([f"run.name={json.dumps(run_name)}"] if run_name is not None else [])
-    cfg, stages, data_lines = _load_or_exit(config, profile, overrides, check_data=True)
+    cfg, stages, data_lines = _load_or_exit(config, profile, overrides, preflight=True)
     for line in data_lines:
         typer.echo(line)
     for stage, values in derived_quantities(cfg).items():
@@ -109,9 +118,15 @@ def run(
     # Prefect waits 20 s for it to start; on a busy 2-core machine (the test suite's parallel workers)
     # it can take longer, and the run would fail before its first stage.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    from rlhf.pipeline.supervise import fork_supervised
+    store = ArtifactStore(cfg.storage)
+    # before Prefect and torch start threads: the flow runs in a child that dies with us
+    fork_supervised(after=lambda pid: RunLock(store, cfg.run.name).release_for(pid))
+    from prefect.settings import PREFECT_API_URL
 
-    fork_supervised()  # before Prefect and torch start threads: the flow runs in a child that dies with us
+    from rlhf.pipeline import liveruns
+
+    if api := PREFECT_API_URL.value():  # a server we did not start (`rlhf up`'s): it can go away under us
+        liveruns.watch(api, lambda why: _api_lost(api, why, cfg.run.name))
     from flows.rlhf_flow import rlhf
 
     try:
@@ -122,6 +137,31 @@ def run(
     for r in results:
         shown = {k: round(v, 4) for k, v in r["metrics"].items()}
         typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
+
+
+EXIT_API_LOST = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, worth running again
+
+
+def _api_lost(api: str, why: str, run: str) -> None:
+    """Called from the API watch thread: ends the run now, with one line. Going through Prefect instead
+    would take minutes: its clients retry every state change, log batch and event against the dead server,
+    at interpreter exit too. Nothing is lost: every point of a stage is resumable, the parent process
+    releases the run lock and ends what this process started."""
+    import logging
+    import shlex
+
+    from rlhf.core import progress
+    from rlhf.core.net import shown
+
+    logging.getLogger("prefect").setLevel(logging.CRITICAL + 1)  # its retry warnings say nothing more than this line
+    stage = progress.current_stage()
+    typer.echo(f"rlhf run: the Prefect API at {shown(api)} stopped answering ({why})"
+               f"{f' during stage {stage!r}' if stage else ''}; run {run!r} stopped, and its finished stages and "
+               f"checkpoints are kept: once the API is back (`rlhf up`), `{shlex.join(['rlhf', *sys.argv[1:]])}` "
+               "resumes it", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_API_LOST)
 
 
 @app.command()
@@ -179,7 +219,7 @@ def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default
     """Start a local Prefect server, a process worker per work pool, and register the deployments.
     Run again to restart workers that died; what is healthy is kept. With tracking.backends: [mlflow] and a
     127.0.0.1/localhost tracking.mlflow.uri, an MLflow server there too; with --ray, a local Ray head."""
-    cfg, _, _ = _load_or_exit(config, profile, set_ or [], reachability=False)  # up starts the tracking server
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])  # no probes: up starts the tracking server
     from rlhf.ops import services
 
     try:
@@ -206,11 +246,18 @@ def deploy(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "def
 
 
 @app.command()
-def down(state_dir: StateOpt = None) -> None:
-    """Stop the workers, then the server, that `rlhf up` started (by their recorded PIDs)."""
+def down(state_dir: StateOpt = None,
+         force: Annotated[bool, typer.Option("--force", help="stop the runs that report to the server first "
+                                             "(as Ctrl-C would: the same command resumes them)")] = False) -> None:
+    """Stop the workers, then the server, that `rlhf up` started (by their recorded PIDs). Refused (exit 1)
+    while runs report to that server, unless --force."""
     from rlhf.ops import services
 
-    services.down(services.state_dir(state_dir and str(state_dir)), log=typer.echo)
+    try:
+        services.down(services.state_dir(state_dir and str(state_dir)), log=typer.echo, force=force)
+    except services.RunsLive as e:
+        typer.echo(f"rlhf down: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

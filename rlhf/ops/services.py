@@ -236,13 +236,14 @@ def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heart
                     str(heartbeat_seconds)], env=env, check=True, cwd=REPO)
 
 
-def _stop(pid: int, first: int, then: int, grace: float) -> None:
-    """Prefect workers were measured to ignore the first SIGTERM for 15 s or more: escalate to SIGINT."""
+def _stop(pid: int, first: int, then: int, grace: float, group: bool = True) -> None:
+    """Prefect workers were measured to ignore the first SIGTERM for 15 s or more: escalate to SIGINT.
+    `group`: signal the process group `pid` leads (what `_spawn` started), else the process alone."""
     for sig, wait in ((first, grace), (then, grace), (signal.SIGKILL, 5.0)):
         if not _alive(pid):
             return
         try:
-            os.killpg(pid, sig)
+            os.killpg(pid, sig) if group else os.kill(pid, sig)
         except ProcessLookupError:
             return
         deadline = time.time() + wait
@@ -250,7 +251,38 @@ def _stop(pid: int, first: int, then: int, grace: float) -> None:
             time.sleep(0.2)
 
 
-def down(state: Path, log=print) -> None:
+class RunsLive(RuntimeError):
+    """`down` was asked to stop a server that live runs report to."""
+
+
+def live_runs(state: Path) -> list[dict]:
+    """The runs on this host that report to the server `up` started (rlhf/pipeline/liveruns.py)."""
+    from rlhf.pipeline import liveruns
+
+    api_file = state / "api_url"
+    return liveruns.live(api_file.read_text().strip()) if api_file.exists() else []
+
+
+def stop_runs(runs: list[dict], log=print, wait: float = 40.0) -> None:
+    """SIGTERM to each run's flow process, which stops it as Ctrl-C does (its stage stays resumable), while
+    the server it reports to still answers; SIGKILL for one still alive after `wait` s (`rlhf run`'s parent
+    process then releases its lock)."""
+    for r in runs:
+        log(f"stopping run {r['run']!r} (pid {r['pid']})")
+        _stop(r["pid"], signal.SIGTERM, signal.SIGTERM, grace=wait / 2, group=False)
+
+
+def down(state: Path, log=print, force: bool = False) -> None:
+    """Stops what `up` started. Refuses (RunsLive) while runs report to its server, unless `force`, which
+    stops those runs first."""
+    if runs := live_runs(state):
+        if not force:
+            api = (state / "api_url").read_text().strip()
+            named = "; ".join(f"run {r['run']!r} (pid {r['pid']}, store {r['store']})" for r in runs)
+            raise RunsLive(f"refused: {named} reports to this Prefect server ({api}), and would fail with it. Let it "
+                           f"finish, stop it (Ctrl-C in its shell, or kill -TERM {' '.join(str(r['pid']) for r in runs)}; "
+                           "the same command resumes it), or `rlhf down --force` to stop it first")
+        stop_runs(runs, log)
     for pid_file in [*sorted(state.glob("worker-*.pid")), state / "ray.pid", state / "mlflow.pid",
                      state / "server.pid"]:  # servers last
         if not pid_file.exists():
@@ -273,4 +305,5 @@ def status(state: Path) -> dict:
         pid = int(pid_file.read_text())
         out[pid_file.stem] = {"pid": pid, "alive": _alive(pid)}
     out["healthy"] = bool(out["api_url"]) and _healthy(out["api_url"])
+    out["runs"] = [{k: r[k] for k in ("run", "pid", "store")} for r in live_runs(state)]
     return out

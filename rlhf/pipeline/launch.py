@@ -94,9 +94,17 @@ def torchrun(spec: dict, launch: LaunchConfig, workdir: Path, node_rank: int, lo
         env[NODE_ENV] = str(node_rank)
     tail: deque[str] = deque(maxlen=30)
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            log.info("%s", line.rstrip())
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip())
+                log.info("%s", line.rstrip())
+        except BaseException:  # a stop signal (SystemExit) here: torchrun passes SIGTERM on to its ranks
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
         rc = proc.wait()
     return rc, folder, tail
 

@@ -18,7 +18,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 
-from rlhf.core.store import ArtifactStore
+from rlhf.core.store import ArtifactStore, StorageError
 
 LOCK = "_lock.json"
 log = logging.getLogger("rlhf.pipeline.lock")
@@ -118,6 +118,18 @@ class RunLock:
         current = self.store.read_json(self.path)
         if current and current["owner"] == self.owner:
             self.store.remove(self.path)
+
+    def release_for(self, pid: int) -> None:
+        """Removes the lock that process `pid` of this host took, after that process was killed before it
+        could release it (`rlhf run` kills a flow process that does not stop when asked). A lock of
+        another owner is left alone; one the store cannot reach is taken over later as stale."""
+        try:
+            current = self.store.read_json(self.path)
+            if current and current.get("host") == socket.gethostname() and current.get("pid") == pid:
+                self.store.remove(self.path)
+        except StorageError as e:
+            log.warning("run %r: could not release the lock of killed process %d (%s); it is taken over once "
+                        "its heartbeat is %.0f s old", self.run, pid, e, self.stale_after)
 
     def __enter__(self) -> RunLock:
         self.acquire()

@@ -5,11 +5,20 @@ content keys and what is in the store), the memory estimate, and warnings about 
 
 from __future__ import annotations
 
+from rlhf.core import cluster, tracking
 from rlhf.core.config import PipelineConfig
 from rlhf.core.registry import SPECS, of_kind, plan, stage_inputs
 from rlhf.pipeline.runner import content_key
 from rlhf.core.manifest import ManifestError
-from rlhf.core.store import ATTEMPT
+from rlhf.core.store import ATTEMPT, endpoint_problem
+
+
+def network_problems(cfg: PipelineConfig, timeout: float = 3.0) -> list[str]:
+    """Every server the run will reach, asked once each with a timeout, before any work: the S3 endpoint,
+    the tracking servers and the Ray clusters. One 'key: problem' line each, naming the address."""
+    return ([p for p in [endpoint_problem(cfg.storage, timeout)] if p] + tracking.network_problems(cfg.tracking, timeout)
+            + cluster.network_problems(cfg, timeout))
+
 
 def predicted_keys(cfg: PipelineConfig) -> dict[str, str]:
     """Content keys the stages will have: a key depends only on config, code and its inputs' keys."""

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlhf.core import tracking
 from rlhf.core.config import PipelineConfig, TrackingConfig
+from rlhf.core.models import resolve_model
 from rlhf.core.registry import SPECS
 from rlhf.core.stage import StageContext
 from rlhf.core.store import ArtifactStore
@@ -59,6 +60,12 @@ def rank_main(spec: dict) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    ctx = rank_context(spec)
+    cfg, stage = ctx.cfg, ctx.stage
+    # The base model's local copy (the embedded GGUF converted, or the tiny model) is found or built before
+    # the process group exists: once it does, transformers' save_pretrained writes no weights on a rank
+    # other than 0, and a Ray rank on a fresh node would publish a copy without them.
+    resolve_model(cfg.model)
     cuda = torch.cuda.is_available()
     if cuda:  # Ray shows each rank only its node's reserved GPUs; LOCAL_RANK indexes them
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -68,8 +75,6 @@ def rank_main(spec: dict) -> dict | None:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", stream=sys.stdout, force=True)
-    ctx = rank_context(spec)
-    cfg, stage = ctx.cfg, ctx.stage
     # rank 0 logs to the trackers (beside the parent's params and final metrics, same folder)
     with tracking.stage_tracker(cfg.tracking if rank == 0 else TrackingConfig(), ctx.workdir, cfg.run.name, stage, spec["key"]):
         result = seeded_run(importlib.import_module(SPECS[stage].module), cfg.stage(stage), ctx)
