@@ -11,7 +11,7 @@ filled inside this stage by TRL's own `compute_ref_log_probs`, run on the initia
 stage that would have to mirror TRL's private pairing. The entry is content-addressed like DPO's
 (rlhf/train/refcache.py): `<root>/_cache/kto_ref_logprobs/<key>/`, its manifest written last, and the key
 covers the reference weights and tokenizer files, the examples in order, max_length, the batch size that
-fixes the KL pairing, dtype, this module and the TRL version. Any run with the same key does zero reference
+fixes the KL pairing, dtype, and the stage's code with the numeric packages it imports. Any run with the same key does zero reference
 forward passes, so a sweep over beta or the class weights pays the reference pass once.
 Outputs: `model/`, `metrics.parquet`, `ref_logps.parquet` (a copy of the entry).
 """
@@ -111,7 +111,7 @@ def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
     tokenizer = load_tokenizer(str(init))
     rows, problems = screen_examples(tokenizer, rows, cfg.max_length, pcfg.data.on_bad_row, ctx.log)
 
-    key = reference_key(init, rows, pcfg.model.dtype, [Path(__file__)], max_length=cfg.max_length,
+    key = reference_key("kto", init, rows, pcfg.model.dtype, max_length=cfg.max_length,
                         kl_batch_size=cfg.per_device_batch_size if cfg.needs_kl() else None)
     entry, cached = read_entry(ctx, "kto_ref_logprobs", key, KTO_REF_SCHEMA)
     hit = cached is not None

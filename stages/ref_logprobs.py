@@ -2,8 +2,9 @@
 
 Content-addressed and durable (TRL keeps these in memory per run; TRL issue 3985, NeMo RL issue 2484):
 the cache key hashes the reference weights (a digest of the safetensors files), the tokenizer files, the
-pairs' content, max_length, dtype, whether per-token values are kept, and the code (this module,
-rlhf/engines/logprobs.py and the TRL version whose tokenisation it mirrors). A complete entry under
+pairs' content, max_length, dtype, whether per-token values are kept, and the code (this stage's import
+closure, rlhf/engines/logprobs.py among it) with the numeric packages it imports (TRL, whose tokenisation
+it mirrors, among them). A complete entry under
 `<root>/_cache/ref_logprobs/<key>/` (its manifest.json written last) is reused by any run: zero forward
 passes. Output: `ref_logps.parquet` in the stage prefix, a copy of the entry.
 """
@@ -17,8 +18,6 @@ import torch
 
 from rlhf.core import progress
 from rlhf.core.config import RefLogprobsConfig
-from rlhf.engines import logprobs
-from rlhf.train import refcache
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
@@ -28,8 +27,7 @@ from rlhf.train.training import start_model
 
 
 def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
-    code = [Path(__file__), Path(logprobs.__file__), Path(refcache.__file__)]  # the stage, the maths, the table
-    return reference_key(model_dir, rows, dtype, code, max_length=cfg.max_length, per_token=cfg.per_token)
+    return reference_key("ref_logprobs", model_dir, rows, dtype, max_length=cfg.max_length, per_token=cfg.per_token)
 
 
 def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:

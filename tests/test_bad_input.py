@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import flows.rlhf_flow
 from conftest import CONFIG, run_cli
-from rlhf.ops.cli import app
+from rlhf.cli.main import app
 from rlhf.core.config import PipelineConfig
 from test_config import laughs
 

@@ -4,6 +4,7 @@ has calibrated bootstrap intervals, and stays finite for degenerate data."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -146,3 +147,19 @@ def test_prompt_bootstrap_covers_shared_prompt_battles():
     covered = prompt_coverage(clustered=True)
     assert covered >= 0.93, covered
     assert prompt_coverage(clustered=False) < 0.90  # the old behaviour: the test can fail
+
+
+@pytest.mark.parametrize("a, b, score, anchor, message", [
+    ([], [], [], "x", "no battles to rate"),
+    ([0, 1], [1, 1], [1.0, 0.5], "x", "battle 1: policy 'y' against itself"),
+    ([0], [1], [1.5], "x", "battle 0: score 1.5 is outside [0, 1]"),
+    ([0], [1], [float("nan")], "x", "battle 0: score nan is outside [0, 1]"),
+    ([0], [2], [1.0], "x", "battles name a policy index outside 0 .. 1"),
+    ([0], [1, 0], [1.0], "x", "lengths 1, 2 and 1"),
+    ([0], [1], [1.0], "z", "anchor 'z' is not one of the rated policies"),
+])
+def test_bad_battles_are_refused_naming_the_problem(a, b, score, anchor, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        rate(np.array(a, int), np.array(b, int), np.array(score, float), ["x", "y"], anchor, rounds=10)
+    with pytest.raises(ValueError, match="same non-empty prompts"):
+        paired_accuracy_diff(np.array([]), np.array([]))

@@ -10,7 +10,7 @@ from rlhf.core.registry import SPECS
 
 
 def versions(root) -> dict[str, str]:
-    codehash.code_files.cache_clear()
+    codehash.closure.cache_clear()
     return {s: codehash.code_version(spec.module.replace(".", "/") + ".py", root) for s, spec in SPECS.items()}
 
 
@@ -32,7 +32,7 @@ def test_an_edit_changes_the_keys_of_exactly_the_stages_that_import_it(tmp_path)
     assert edit("rlhf/train/rl_loop.py") == {"ppo", "grpo"}
     assert edit("rlhf/train/remote.py") == {"ppo", "grpo"}  # a Ray engine actor: the RL loop only
     after = versions(tmp_path)
-    for rel in ("rlhf/ops/report.py", "rlhf/ops/cli.py"):  # nothing a stage runs
+    for rel in ("rlhf/ops/report.py", "rlhf/cli/main.py"):  # nothing a stage runs
         with open(tmp_path / rel, "a") as f:
             f.write("# a comment\n")
     assert versions(tmp_path) == after

@@ -175,7 +175,7 @@ def test_run_names_stay_strings(tmp_path):
     """`--run-name 123` or `2024-01-01` is the name as typed, not a YAML number or date."""
     from typer.testing import CliRunner
 
-    from rlhf.ops.cli import app
+    from rlhf.cli.main import app
 
     for name in ("123", "2024-01-01"):  # in-process: the same typer parsing as the console command
         result = CliRunner().invoke(app, ["report", name, "--set", f"storage.url={tmp_path}", "--out", str(tmp_path / name)])

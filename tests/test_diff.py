@@ -7,8 +7,9 @@ import shutil
 from typer.testing import CliRunner
 
 from conftest import CONFIG, only
-from rlhf.ops.cli import app
-from rlhf.ops.diff import flatten, stage_diff
+from rlhf.cli.main import app
+from rlhf.ops.diff import stage_diff
+from rlhf.pipeline.identity import flatten
 from rlhf.pipeline.runner import execute_stage
 
 
@@ -28,7 +29,7 @@ def test_stage_diff_names_each_changed_part_by_hand():
     assert d["reasons"] == ["dpo.beta: 0.1 -> 0.2", "upstream sft: its key changed"]
     assert d["metrics"] == [("loss", 1.0, 0.5)]
     d = stage_diff("dpo", a, manifest("k3", code_version="c2", seed=1, data={"seed": 0, "train_size": 9}))
-    assert d["reasons"] == ["data.train_size: '(unset)' -> 9", "run.seed: 0 -> 1", "code version: 'c1' -> 'c2'"]
+    assert d["reasons"] == ["run.seed: 0 -> 1", "data.train_size: '(unset)' -> 9", "code version: 'c1' -> 'c2'"]
     assert stage_diff("dpo", None, a)["status"] == "only in B"
 
 

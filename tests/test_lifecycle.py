@@ -22,7 +22,7 @@ from conftest import CONFIG, REPO, only, run_cli
 from rlhf.core import cluster
 from rlhf.core.config import StorageConfig
 from rlhf.core.store import endpoint_problem
-from rlhf.ops.cli import EXIT_API_LOST
+from rlhf.cli.main import EXIT_API_LOST
 
 EXE = str(Path(sys.executable).parent / "rlhf")
 

@@ -88,3 +88,78 @@ def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     assert other.returncode == 0, other_err[-2000:]
     assert json.loads((tmp_path / "dup" / "sft" / "manifest.json").read_text())["run"] == "dup"
     assert not lock.exists()  # released at the end of the run
+
+
+def _race(n: int, attempt) -> list:
+    """n threads call attempt() at the same moment; the results, or the exceptions they raised."""
+    import threading
+
+    barrier, out = threading.Barrier(n), []
+
+    def go():
+        barrier.wait()
+        try:
+            out.append(attempt())
+        except Exception as e:
+            out.append(e)
+
+    threads = [threading.Thread(target=go) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_simultaneous_launches_and_takeovers_have_exactly_one_winner(storage_url):
+    """Atomic create (a hard link, S3's If-None-Match) and compare-and-swap takeover (S3's If-Match)."""
+    store = ArtifactStore(StorageConfig(url=storage_url))
+    lost = []  # a winner whose lock the second round takes over must not interrupt this test's process
+
+    def launch(held: list):
+        lock = RunLock(store, "race", heartbeat_every=0.2, on_lost=lost.append)
+        lock.acquire()
+        held.append(lock)
+        return "won"
+
+    first, second = [], []
+    results = _race(6, lambda: launch(first))
+    assert results.count("won") == 1 and all(isinstance(r, RunLocked) for r in results if r != "won"), results
+    path = store.path("race", "_lock.json")
+    first[0]._stop.set()  # its run dies: the heartbeat stops ...
+    first[0]._thread.join()
+    store.write_json(path, {**store.read_json(path), "heartbeat": time.time() - 500})  # ... and goes stale
+    results = _race(6, lambda: launch(second))
+    assert results.count("won") == 1, results
+    assert store.read_json(path)["owner"] == second[0].owner != first[0].owner
+    second[0].release()
+    assert store.read_json(path) is None and lost == []
+
+
+def test_a_heartbeat_that_finds_another_owner_or_keeps_failing_stops_the_run(storage_url, monkeypatch):
+    from rlhf.core.store import StorageError
+
+    store = ArtifactStore(StorageConfig(url=storage_url))
+    lost = []
+    lock = RunLock(store, "beat", heartbeat_every=0.1, on_lost=lost.append)
+    with lock:
+        path = store.path("beat", "_lock.json")
+        store.write_json(path, {**store.read_json(path), "owner": "someone-else"})  # a takeover of this run's name
+        deadline = time.time() + 10
+        while not lost and time.time() < deadline:
+            time.sleep(0.05)
+    assert lost == ["run 'beat': the run lock is lost: another launch took the run name over (it found this run's "
+                    "heartbeat stale); stopping the run, which resumes from its last checkpoint when run again"]
+    assert store.read_json(path)["owner"] == "someone-else"  # release leaves another owner's lock alone
+
+    lost.clear()
+    lock = RunLock(store, "down", heartbeat_every=0.1, stale_after=0.5, on_lost=lost.append)
+    with lock:
+        def outage(*a, **k):
+            raise StorageError("storage replace of /x failed after 4 attempts: ConnectionError: refused")
+        monkeypatch.setattr(store, "replace_json", outage)  # the store stops answering after the lock was taken
+        deadline = time.time() + 10
+        while not lost and time.time() < deadline:
+            time.sleep(0.05)
+        monkeypatch.undo()
+    assert len(lost) == 1 and "heartbeat could not be written for" in lost[0] and "ConnectionError: refused" in lost[0]

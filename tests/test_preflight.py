@@ -108,7 +108,7 @@ def test_outlook_says_run_then_resume_then_skip_and_progress_is_reported(tiny_cf
     assert manifest["key"] == predicted_keys(cfg)["sft"]  # the prediction is the key the stage records
     assert outlook(cfg, store)["sft"] == f"skip (complete, key {manifest['key'][:12]})"
     changed = tiny_cfg(*only("sft", "dpo", "ref_logprobs"), "sft.save_steps=2", "sft.learning_rate=1e-4")
-    assert outlook(changed, store)["sft"].startswith("run (config or inputs changed")
+    assert outlook(changed, store)["sft"] == "run (replaces the stored result: sft.learning_rate: 0.001 -> 0.0001)"
 
 
 def test_risky_settings_are_named():

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from rlhf.core import cluster
 from rlhf.core.config import LaunchConfig
 from rlhf.core.loader import ConfigError, load_config
-from rlhf.ops.cli import app
+from rlhf.cli.main import app
 from rlhf.pipeline.launch import LaunchError
 from rlhf.pipeline.preflight import network_problems
 from rlhf.pipeline.runner import content_key, execute_stage
@@ -299,7 +299,7 @@ def _head_processes(addr: str) -> list:
 
 @pytest.mark.slow  # starts and stops a real Ray head (~10 s) and three CLI processes
 def test_rlhf_up_ray_head_is_local_token_guarded_and_stopped_by_down(tmp_path):
-    from rlhf.ops import services
+    from rlhf.cli import services
 
     state = tmp_path / "state"
     state.mkdir()

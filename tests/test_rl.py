@@ -412,7 +412,7 @@ def test_grpo_init_from_dpo_starts_from_the_dpo_policy(tiny_cfg, monkeypatch):
     dpo = execute_stage(cfg, "dpo")
     loaded = []
     real = rl.load_policy
-    monkeypatch.setattr(rl, "load_policy", lambda c, init, resume, m: loaded.append(init) or real(c, init, resume, m))
+    monkeypatch.setattr(rl, "load_policy", lambda c, init, resume, m, seed: loaded.append(init) or real(c, init, resume, m, seed))
     grpo = execute_stage(cfg, "grpo")
     assert len(loaded) == 1 and Path(loaded[0]).parts[-2:] == ("dpo", "model")
     assert grpo["inputs"]["dpo"] == dpo["key"] and "sft" in grpo["inputs"]

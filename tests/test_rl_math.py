@@ -198,7 +198,11 @@ def test_k3_with_extreme_padding_is_finite_with_finite_gradient():
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0
     # d/dlogp (e^d - d - 1) with d = ref - logp is 1 - e^d = 1 - e^-0.2
     assert logp.grad[0, 0].item() == pytest.approx(1 - math.exp(-0.2), rel=1e-6)
-    assert masked_mean(kl_k3(logp.detach(), ref), mask).isnan()  # unmasked: the failure this guards against
+    unmasked = kl_k3(logp, ref)  # without the mask: inf at the padded position ...
+    assert torch.isinf(unmasked[0, 1]) and masked_mean(unmasked, mask).item() == pytest.approx(k3.item())  # ... selected out
+    logp.grad = None
+    masked_mean(unmasked, mask).backward()
+    assert logp.grad[0, 1].isnan()  # but its gradient is 0 * inf: the failure kl_k3's mask guards against
 
 
 def test_k3_keeps_precision_for_tiny_differences_in_float32():
@@ -233,3 +237,14 @@ def test_whiten_by_hand():
 
     w = whiten(x, mask)
     assert torch.allclose(w, torch.tensor([[-1.2247449, 0.0, 1.2247449, 0.0]]), atol=1e-5)
+
+
+def test_masked_mean_selects_so_a_nan_in_padding_does_not_leak():
+    # tokens [2, 4 | pad NaN] and [6 | pad inf, pad NaN]: means 3 and 6, overall (2 + 4 + 6) / 3 = 4
+    x = torch.tensor([[2.0, 4.0, float("nan")], [6.0, float("inf"), float("nan")]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert masked_mean(x, mask).item() == 4.0
+    assert masked_mean(x, mask, dim=1).tolist() == [3.0, 6.0]
+    masked_mean(x, mask).backward()
+    assert torch.equal(x.grad, torch.tensor([[1 / 3, 1 / 3, 0.0], [1 / 3, 0.0, 0.0]]))  # no NaN reaches the grad
+    assert masked_mean(torch.ones(2, 2), torch.zeros(2, 2)).item() == 0.0  # nothing kept: 0, not 0/0

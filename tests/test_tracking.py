@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from rlhf.core import tracking
 from rlhf.core.loader import ConfigError, load_config
 from rlhf.core.store import ArtifactStore
-from rlhf.ops import services
-from rlhf.ops.cli import app
+from rlhf.cli import services
+from rlhf.cli.main import app
 from rlhf.pipeline.runner import execute_stage
 from rlhf.train.training import METRICS_SCHEMA
 

@@ -27,8 +27,11 @@ class Manifest(TypedDict, total=False):
     model: dict[str, Any]
     data: dict[str, Any]
     seed: int
-    code_version: str
-    packages: dict[str, str]
+    code_version: str  # one hash of `code`
+    code: dict[str, str]  # project file -> digest of its bytes (the stage's import closure)
+    functions: dict[str, dict[str, str]]  # user function 'module:function' -> {its module files: digest}
+    packages: dict[str, str]  # versions of the numeric packages in its key
+    environment: dict[str, str]  # versions of the main packages installed (a record, not in the key)
     outputs: dict[str, str]  # artifact name -> path relative to the stage prefix (or the store root)
     rows: dict[str, int]
     metrics: dict[str, float]
@@ -72,6 +75,10 @@ FIELDS = {
     "seed": (_is_int, "an integer"),
     "code_version": (lambda v: isinstance(v, str), "a string"),
     "packages": (lambda v: _mapping(v, lambda x: isinstance(x, str)), "a mapping of package names to versions"),
+    "environment": (lambda v: _mapping(v, lambda x: isinstance(x, str)), "a mapping of package names to versions"),
+    "functions": (lambda v: _mapping(v, lambda x: _mapping(x, lambda y: isinstance(y, str))),
+                  "a mapping of functions to {file: digest}"),
+    "code": (lambda v: _mapping(v, lambda x: isinstance(x, str)), "a mapping of files to digests"),
     "outputs": (lambda v: _mapping(v, lambda x: isinstance(x, str) and x != ""), "a mapping of names to relative paths"),
     "rows": (lambda v: _mapping(v, _is_int), "a mapping of names to integers"),
     "metrics": (lambda v: _mapping(v, _is_number), "a mapping of names to numbers"),

@@ -28,6 +28,11 @@ class StageSpec:
     root_outputs: tuple[str, ...] = ()  # those stored relative to the store root (shared caches), not the stage
     shared: tuple[str, ...] = ()  # other config sections that change its outputs (part of its content key)
     usual_lr: tuple[float, float] | None = None  # preflight warns outside this learning-rate range
+    # the user data files it reads under this config: `data.<key>` -> the rows' kind (rlhf/data/userdata.py);
+    # their contents are part of its key, and preflight checks their rows
+    data_files: Callable[[PipelineConfig], dict[str, str]] = lambda cfg: {}
+    # the user functions ('module:function') it calls under this config: their source is part of its key
+    functions: Callable[[PipelineConfig], list[str]] = lambda cfg: []
 
     @property
     def module(self) -> str:
@@ -52,6 +57,23 @@ def _rl_inputs(name: str) -> Callable:
     return inputs
 
 
+def _sft_data(cfg) -> dict[str, str]:
+    return {"sft_path": "sft"} if cfg.data.sft_path else {}
+
+
+def _pairs_data(cfg) -> dict[str, str]:
+    # a preference file is read where the on-policy pairs stage does not run (the config refuses both)
+    return {"prefs_path": "prefs"} if cfg.data.prefs_path and not cfg.preferences.enabled else {}
+
+
+def _kto_data(cfg) -> dict[str, str]:
+    return {"unpaired_path": "unpaired"} if cfg.data.unpaired_path else _pairs_data(cfg)
+
+
+def _function(name: str) -> Callable:
+    return lambda cfg: [f] if (f := cfg.stage(name).reward_function) else []
+
+
 def _eval_inputs(cfg) -> list[str]:
     policies = [p for p in cfg.eval.policies if p != "base"]
     judge = ["reward_model"] if cfg.reward_model.enabled else []  # scores samples even as a metric only
@@ -60,25 +82,28 @@ def _eval_inputs(cfg) -> list[str]:
 
 POLICY = ("model", "metrics")
 SPECS: dict[str, StageSpec] = {s.name: s for s in (
-    StageSpec("sft", "trainer", lambda cfg: [], POLICY, usual_lr=(1e-6, 2e-4)),  # TRL SFT examples 2e-5 .. 2e-4
+    StageSpec("sft", "trainer", lambda cfg: [], POLICY, usual_lr=(1e-6, 2e-4),  # TRL SFT examples 2e-5 .. 2e-4
+              data_files=_sft_data),
     StageSpec("preferences", "inference", lambda cfg: [] if cfg.preferences.policy == "base" else ["sft"],
-              ("pairs", "eval_pairs", "samples"), optional_outputs=("contrast_pairs",)),  # contrast_samples > 0
+              ("pairs", "eval_pairs", "samples"), optional_outputs=("contrast_pairs",),  # contrast_samples > 0
+              functions=_function("preferences")),
     StageSpec("reward_model", "trainer",
               lambda cfg: [*(["sft"] if cfg.reward_model.init_from == "sft" else []), *_pairs(cfg)], POLICY,
-              usual_lr=(1e-6, 1e-4)),  # InstructGPT RM 9e-6; TRL reward example 1e-5 .. 1e-4
+              usual_lr=(1e-6, 1e-4), data_files=_pairs_data),  # InstructGPT RM 9e-6; TRL reward example 1e-5 .. 1e-4
     # the reference is the policy DPO starts from: SFT when it runs, else the base model
     StageSpec("ref_logprobs", "inference", lambda cfg: [*_sft(cfg), *_pairs(cfg)], ("ref_logps", "cache_entry"),
-              root_outputs=("cache_entry",)),
+              root_outputs=("cache_entry",), data_files=_pairs_data),
     StageSpec("dpo", "trainer", lambda cfg: [*_sft(cfg), *_pairs(cfg), "ref_logprobs"], POLICY,
-              usual_lr=(1e-7, 5e-5)),  # Rafailov et al. 2023: 1e-6; Zephyr 5e-7
+              usual_lr=(1e-7, 5e-5), data_files=_pairs_data),  # Rafailov et al. 2023: 1e-6; Zephyr 5e-7
     # KTO keeps its own reference cache (stages/kto.py says why)
     StageSpec("kto", "trainer", lambda cfg: [*_sft(cfg), *_pairs(cfg)], (*POLICY, "ref_logps", "cache_entry"),
-              root_outputs=("cache_entry",), usual_lr=(1e-7, 5e-5)),  # Ethayarajh et al. 2024: 5e-7 .. 5e-6
+              root_outputs=("cache_entry",), usual_lr=(1e-7, 5e-5),  # Ethayarajh et al. 2024: 5e-7 .. 5e-6
+              data_files=_kto_data),
     # the RL loop samples with the rollout settings: that section is part of their keys
     StageSpec("ppo", "rl", _rl_inputs("ppo"), (*POLICY, "experience"), shared=("rollout",),
-              usual_lr=(1e-7, 2e-5)),  # Ouyang et al. 2022: 9.65e-6 (1.3B)
+              usual_lr=(1e-7, 2e-5), functions=_function("ppo")),  # Ouyang et al. 2022: 9.65e-6 (1.3B)
     StageSpec("grpo", "rl", _rl_inputs("grpo"), (*POLICY, "experience"), shared=("rollout",),
-              usual_lr=(1e-7, 2e-5)),  # DeepSeekMath: 1e-6
+              usual_lr=(1e-7, 2e-5), functions=_function("grpo")),  # DeepSeekMath: 1e-6
     StageSpec("rollout", "inference", lambda cfg: [] if cfg.rollout.policy == "base" else [cfg.rollout.policy],
               ("rollouts",)),
     StageSpec("eval", "inference", _eval_inputs,

@@ -9,6 +9,7 @@ Names starting with '_' are reserved for the store itself (`_cache/`, `_attempt.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import posixpath
@@ -185,6 +186,89 @@ class ArtifactStore:
             return None
         with self.fs.open(path, "rb") as f:
             return json.loads(f.read())
+
+    # ---- conditional writes (the run lock) ---------------------------------------------------
+    @retrying("create")
+    def create_json(self, path: str, obj: Any) -> bool:
+        """Writes `obj` at `path` only if nothing is there, atomically; False when something was. Locally a
+        complete temp file hard-linked into place (link refuses an existing name); on S3 a conditional PUT
+        (If-None-Match: *, which AWS S3, SeaweedFS and MinIO honour)."""
+        data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        if not self.is_local:
+            return self._put_if(path, data, IfNoneMatch="*")
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    @retrying("read")
+    def read_json_tagged(self, path: str) -> tuple[Any | None, str | None]:
+        """(the JSON object at `path`, a tag of that version for replace_json), or (None, None). The tag is
+        the object's ETag on S3 (read before the body: a body newer than its tag makes the replace fail,
+        which is the safe side), a digest of the bytes locally. Anything but a JSON object reads as {}."""
+        if not self.fs.exists(path):
+            return None, None
+        if self.is_local:
+            data = Path(path).read_bytes()
+            tag = hashlib.sha256(data).hexdigest()
+        else:
+            tag = self.fs.info(path)["ETag"]
+            data = self.fs.cat_file(path)
+        try:
+            obj = json.loads(data)
+        except ValueError:  # invalid JSON or UTF-8: a record nobody can trust
+            obj = {}
+        return obj if isinstance(obj, dict) else {}, tag
+
+    @retrying("replace")
+    def replace_json(self, path: str, obj: Any, tag: str) -> bool:
+        """Replaces the version of `path` that read_json_tagged tagged `tag` by `obj`; False when `path`
+        holds another version, or none. On S3 a conditional PUT (If-Match); locally the file is renamed
+        aside (one process wins the rename), compared, and the new one linked into place."""
+        if not self.is_local:
+            return self._put_if(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), IfMatch=tag)
+        aside = f"{path}.aside-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            if hashlib.sha256(Path(aside).read_bytes()).hexdigest() != tag:  # another version: put it back
+                try:
+                    os.link(aside, path)
+                except FileExistsError:
+                    pass
+                return False
+            return self.create_json.__wrapped__(self, path, obj)
+        finally:
+            os.unlink(aside)
+
+    def _put_if(self, path: str, data: bytes, **condition: str) -> bool:
+        """A PUT with an S3 precondition; False when the store says it does not hold (HTTP 412, or 409
+        for a conditional write racing another)."""
+        from botocore.exceptions import ClientError
+
+        bucket, _, key = path.partition("/")
+        try:
+            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except OSError as e:  # s3fs turns botocore's ClientError into an OSError, the ClientError its cause
+            cause = e.__cause__
+            if isinstance(cause, ClientError) and cause.response.get("Error", {}).get("Code") in (
+                    "PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        finally:
+            self.fs.invalidate_cache(path)
+        return True
 
     @retrying("write")
     def write_bytes(self, path: str, data: bytes) -> None:

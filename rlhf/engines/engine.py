@@ -73,60 +73,68 @@ class HFEngine:
     def generate(self, prompts: list[list[dict]], params: SamplingParams, shard: tuple[int, int] = (0, 1),
                  on_batch=None) -> list[Generation]:
         """Generations ordered by (prompt, sample). Batches are seeded by (seed, batch index), so the same
-        params reproduce the same samples whatever ran before. `shard=(rank, world)` generates only the
-        batches b with b % world == rank, each with its one-process seed: the union over ranks is exactly
-        the one-process output."""
+        params reproduce the same samples whatever ran before, and torch's RNG is left as it was.
+        `shard=(rank, world)` generates only the batches b with b % world == rank, each with its one-process
+        seed: the union over ranks is exactly the one-process output."""
         tok, model = self.tokenizer, self.model
         was_training, side = model.training, tok.padding_side
         model.eval()
         tok.padding_side = "left"  # new tokens must follow the prompt directly
         jobs = [(i, s) for i in range(len(prompts)) for s in range(params.n)]
         out: list[Generation] = []
-        try:
-            for b, start in enumerate(range(0, len(jobs), self.batch_size)):
-                if b % shard[1] != shard[0]:
-                    continue
-                chunk = jobs[start : start + self.batch_size]
-                unique = list(dict.fromkeys(i for i, _ in chunk))
-                texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True) for i in unique]
-                ids, attn, _ = prefix.pad_after_prefix(tok(texts, add_special_tokens=False)["input_ids"], tok.pad_token_id,
-                                                       share=self.share_prompts)
-                ids, attn = ids.to(model.device), attn.to(model.device)
-                rows = torch.tensor([unique.index(i) for i, _ in chunk], device=model.device)
-                enc = {"input_ids": ids[rows], "attention_mask": attn[rows]}
-                if (cache := self._prefill(ids, attn)) is not None:
-                    cache.batch_select_indices(rows)
-                    enc["cache"] = cache
-                torch.manual_seed(params.seed * 1_000_003 + b)
-                greedy = params.temperature == 0
-                gen = model.generate(
-                    **enc,
-                    max_new_tokens=params.max_new_tokens,
-                    do_sample=not greedy,
-                    temperature=None if greedy else params.temperature,
-                    top_p=None if greedy else params.top_p,
-                    top_k=None,
-                    pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
-                new = gen.sequences[:, enc["input_ids"].shape[1] :]
-                # scores are the processed logits the sampler drew from (after temperature / top-p)
-                logp = torch.stack(gen.scores, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-                for row, (i, s) in enumerate(chunk):
-                    ids = new[row].tolist()
-                    n = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
-                    out.append(Generation(
-                        i, s, ids[:n], logp[row, :n].tolist(),
-                        tok.decode(ids[:n], skip_special_tokens=True),
-                        "stop" if n < len(ids) or (ids and ids[n - 1] == tok.eos_token_id) else "length",
-                    ))
-                if on_batch is not None:
-                    on_batch(min(start + self.batch_size, len(jobs)), len(jobs))
-        finally:
-            tok.padding_side = side
-            model.train(was_training)
+        # Batches are seeded through torch's global generator (HF's sampler draws from it), inside a fork of
+        # it: what the caller draws next (LoRA adapters, a value head) does not depend on having sampled.
+        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+            try:
+                for b, start in enumerate(range(0, len(jobs), self.batch_size)):
+                    if b % shard[1] == shard[0]:
+                        out += self._batch(prompts, jobs[start : start + self.batch_size], params, b)
+                        if on_batch is not None:
+                            on_batch(min(start + self.batch_size, len(jobs)), len(jobs))
+            finally:
+                tok.padding_side = side
+                model.train(was_training)
+        return out
+
+    def _batch(self, prompts: list[list[dict]], chunk: list[tuple[int, int]], params: SamplingParams, b: int) -> list[Generation]:
+        """Batch b: the (prompt, sample) jobs of `chunk`, its distinct prompts prefilled once."""
+        tok, model = self.tokenizer, self.model
+        unique = list(dict.fromkeys(i for i, _ in chunk))
+        texts = [tok.apply_chat_template(prompts[i], tokenize=False, add_generation_prompt=True) for i in unique]
+        ids, attn, _ = prefix.pad_after_prefix(tok(texts, add_special_tokens=False)["input_ids"], tok.pad_token_id,
+                                               share=self.share_prompts)
+        ids, attn = ids.to(model.device), attn.to(model.device)
+        rows = torch.tensor([unique.index(i) for i, _ in chunk], device=model.device)
+        enc = {"input_ids": ids[rows], "attention_mask": attn[rows]}
+        if (cache := self._prefill(ids, attn)) is not None:
+            cache.batch_select_indices(rows)
+            enc["cache"] = cache
+        torch.manual_seed(params.seed * 1_000_003 + b)
+        greedy = params.temperature == 0
+        gen = model.generate(
+            **enc,
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        new = gen.sequences[:, enc["input_ids"].shape[1] :]
+        # scores are the processed logits the sampler drew from (after temperature / top-p)
+        logp = torch.stack(gen.scores, dim=1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        out = []
+        for row, (i, s) in enumerate(chunk):
+            toks = new[row].tolist()
+            n = toks.index(tok.eos_token_id) + 1 if tok.eos_token_id in toks else len(toks)
+            out.append(Generation(
+                i, s, toks[:n], logp[row, :n].tolist(),
+                tok.decode(toks[:n], skip_special_tokens=True),
+                "stop" if n < len(toks) or (toks and toks[n - 1] == tok.eos_token_id) else "length",
+            ))
         return out
 
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):

@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 
 from rlhf.core.config import RolloutConfig
+from rlhf.core.fingerprint import vllm_python_path
 from rlhf.engines.engine import Generation, SamplingParams, chat_ids
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-DEFAULT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 class VLLMError(RuntimeError):
@@ -38,7 +38,7 @@ class WeightSyncError(VLLMError):
 
 def vllm_python(configured: str | None = None) -> Path:
     """The vLLM environment's interpreter: the config, else RLHF_VLLM_PYTHON, else .venv-vllm/."""
-    path = Path(configured or os.environ.get("RLHF_VLLM_PYTHON") or DEFAULT_PYTHON)
+    path = vllm_python_path(configured)
     if not path.exists():
         raise VLLMError(f"rollout.vllm.python: no vLLM environment at {path}; build it with ./setup-vllm.sh "
                         "(or point rollout.vllm.python / RLHF_VLLM_PYTHON at one)")

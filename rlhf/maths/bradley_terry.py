@@ -74,6 +74,24 @@ class Ratings:
     win_rate: np.ndarray  # [K, K] share of points i scored against j (NaN where they never met)
 
 
+def check_battles(a: np.ndarray, b: np.ndarray, score_a: np.ndarray, names: list[str], anchor: str) -> None:
+    """ValueError naming the first thing wrong with a set of battles (what `rate` would otherwise fit
+    silently, or divide by zero on)."""
+    if anchor not in names:
+        raise ValueError(f"anchor {anchor!r} is not one of the rated policies {names}")
+    if not len(a) == len(b) == len(score_a):
+        raise ValueError(f"battles: a, b and score_a have lengths {len(a)}, {len(b)} and {len(score_a)}")
+    if len(a) == 0:
+        raise ValueError("no battles to rate")
+    k = len(names)
+    if ((a < 0) | (a >= k) | (b < 0) | (b >= k)).any():
+        raise ValueError(f"battles name a policy index outside 0 .. {k - 1}")
+    if (same := np.flatnonzero(a == b)).size:
+        raise ValueError(f"battle {same[0]}: policy {names[a[same[0]]]!r} against itself")
+    if (bad := np.flatnonzero(~np.isfinite(score_a) | (score_a < 0) | (score_a > 1))).size:
+        raise ValueError(f"battle {bad[0]}: score {float(score_a[bad[0]])!r} is outside [0, 1] (1 win, 0.5 tie, 0 loss)")
+
+
 def rate(a: np.ndarray, b: np.ndarray, score_a: np.ndarray, names: list[str], anchor: str,
          rounds: int = 1000, seed: int = 0, l2: float = 0.01, clusters: np.ndarray | None = None) -> Ratings:
     """Elo ratings with 95% bootstrap intervals from battles (a[i] vs b[i], score_a[i] in {1, .5, 0}).
@@ -81,6 +99,8 @@ def rate(a: np.ndarray, b: np.ndarray, score_a: np.ndarray, names: list[str], an
     clusters: [N] the prompt of each battle; a bootstrap round draws prompts with replacement and takes
     all their battles. None makes every battle its own cluster (only right for independent battles).
     """
+    a, b, score_a = np.asarray(a, dtype=int), np.asarray(b, dtype=int), np.asarray(score_a, dtype=float)
+    check_battles(a, b, score_a, names, anchor)
     k, anchor_i = len(names), names.index(anchor)
     w = win_matrix(a, b, score_a, k)
     elo = to_elo(fit_strengths(w, l2), anchor_i)
@@ -101,7 +121,10 @@ def rate(a: np.ndarray, b: np.ndarray, score_a: np.ndarray, names: list[str], an
 def paired_accuracy_diff(correct_a: np.ndarray, correct_b: np.ndarray, rounds: int = 1000, seed: int = 0) -> tuple[float, float, float]:
     """Mean accuracy difference (a - b) on the same prompts and its 95% paired-bootstrap interval.
     correct_a, correct_b: [P] 0/1 per prompt, aligned by prompt."""
-    d = np.asarray(correct_a, float) - np.asarray(correct_b, float)
+    correct_a, correct_b = np.asarray(correct_a, float), np.asarray(correct_b, float)
+    if correct_a.shape != correct_b.shape or correct_a.size == 0:
+        raise ValueError(f"paired accuracies need the same non-empty prompts, got {correct_a.size} and {correct_b.size}")
+    d = correct_a - correct_b
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(d), size=(rounds, len(d)))
     means = d[idx].mean(axis=1)

@@ -9,7 +9,10 @@ import torch
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+    """Mean of x over the positions where mask (0/1) is set. Selects rather than multiplies: a NaN or inf
+    at a masked-out position (padding) would otherwise leak into the mean, since NaN * 0 is NaN."""
+    keep = mask.bool()
+    return torch.where(keep, x, torch.zeros_like(x)).sum(dim) / keep.sum(dim).clamp(min=1)
 
 
 # ---- KL estimators (Schulman 2020, "Approximating KL divergence"), per token ------------------------

@@ -1,49 +1,15 @@
 """`rlhf diff RUN_A RUN_B`: per stage, whether the two runs' results differ and why, from their manifests.
 
-A stage's content key hashes its config block, the config sections it also reads, the model identity,
-the data config, the seed, its inputs' keys and its code version (rlhf/pipeline/runner.py); each manifest
-records those parts, so a differing key is explained by the parts that differ: changed config values
-(key path, old and new), a new code version, or an upstream stage whose key changed. Final metrics are
+A stage's content key hashes its identity (rlhf/pipeline/identity.py); each manifest records it, so a
+differing key is explained by the parts that differ, as `rlhf validate` explains a stage that will rerun:
+changed config values (key path, old and new), a data file's content, the model's weights, a package
+version, a code file, a user function's source, or an upstream stage whose key changed. Final metrics are
 shown side by side. Manifests come from a shared store: values are shown cut to one short line.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-# manifest field -> how its key paths are named in the explanation ("" : the stage's own section)
-PARTS = {"config": "", "shared": "", "model": "model", "data": "data", "seed": "run.seed"}
-
-
-def flatten(value: Any, prefix: str) -> dict[str, Any]:
-    """{'a': {'b': 1}, 'c': [1]} under 'x' -> {'x.a.b': 1, 'x.c': [1]} (lists stay values)."""
-    if not isinstance(value, dict):
-        return {prefix: value}
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-    return out
-
-
-def shown(value: Any) -> str:
-    text = repr(value).replace("\n", "\\n")
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _parts(stage: str, manifest: dict) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for field, name in PARTS.items():
-        if field not in manifest:
-            continue
-        value = manifest[field]
-        if field == "config":
-            out.update(flatten(value, stage))
-        elif field == "shared":  # {section: block} of other stages' sections this one reads
-            out.update(flatten(value if isinstance(value, dict) else {}, ""))
-        else:
-            out.update(flatten(value, name))
-    return out
-
+from rlhf.pipeline.identity import explain, shown
 
 def stage_diff(stage: str, a: dict | None, b: dict | None) -> dict:
     """{stage, status: same | differs | only in A | only in B | missing, reasons: [...], metrics: [(name, a, b)]}."""
@@ -54,18 +20,7 @@ def stage_diff(stage: str, a: dict | None, b: dict | None) -> dict:
                for k in sorted({*a.get("metrics", {}), *b.get("metrics", {})})]
     if a.get("key") == b.get("key"):
         return {"stage": stage, "status": "same", "reasons": [], "metrics": metrics}
-    reasons = []
-    pa, pb = _parts(stage, a), _parts(stage, b)
-    for path in sorted({*pa, *pb}):
-        va, vb = pa.get(path, "(unset)"), pb.get(path, "(unset)")
-        if va != vb:
-            reasons.append(f"{path}: {shown(va)} -> {shown(vb)}")
-    if a.get("code_version") != b.get("code_version"):
-        reasons.append(f"code version: {shown(a.get('code_version'))} -> {shown(b.get('code_version'))}")
-    ia, ib = a.get("inputs") or {}, b.get("inputs") or {}
-    for up in sorted({*ia, *ib}):
-        if ia.get(up) != ib.get(up):
-            reasons.append(f"upstream {up}: its key changed")
+    reasons = explain(stage, a, b)
     if not reasons:
         reasons.append("the keys differ but no recorded part does (manifests written by different versions?)")
     return {"stage": stage, "status": "differs", "reasons": reasons, "metrics": metrics}

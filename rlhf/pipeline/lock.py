@@ -3,9 +3,15 @@
 `<root>/<run>/_lock.json` holds {owner, host, pid, started, heartbeat}. A second launch of the same run
 name is refused while the heartbeat is fresh; a lock whose heartbeat is older than `stale_after`
 seconds (its run died without releasing it) is taken over, and so, at once, is a lock naming this host
-and a process id that no longer exists; every takeover is logged. Object stores have no portable
-create-if-absent, so acquisition writes, waits briefly and reads back: if another owner won the race,
-we refuse. Different run names never touch each other's locks.
+and a process id that no longer exists; every takeover is logged. Different run names never touch each
+other's locks.
+
+Every write is atomic and conditional (ArtifactStore.create_json / replace_json: a hard link locally, S3's
+If-None-Match / If-Match preconditions): of two launches at the same moment exactly one creates the lock,
+of two takeovers of the same stale lock exactly one replaces it, and a heartbeat replaces only the version
+it wrote last. So a heartbeat that finds another owner's version (its run was taken over), or that the
+store keeps refusing for half of `stale_after` (others would soon take it over), stops the run: `on_lost`
+logs why and interrupts the main thread (as Ctrl-C does; `rlhf run` turns that into a clean stop).
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ def _now() -> float:
     return time.time()
 
 
+def _interrupt_main(why: str) -> None:
+    """The default on_lost: log the reason, then interrupt the main thread as Ctrl-C would."""
+    import _thread
+
+    log.error("%s", why)
+    _thread.interrupt_main()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -43,11 +57,14 @@ def _alive(pid: int) -> bool:
 
 
 class RunLock:
-    def __init__(self, store: ArtifactStore, run: str, stale_after: float = 120.0, heartbeat_every: float = 20.0):
+    def __init__(self, store: ArtifactStore, run: str, stale_after: float = 120.0, heartbeat_every: float = 20.0,
+                 on_lost=None):
         self.store, self.run = store, run
         self.path = store.path(run, LOCK)
         self.stale_after, self.heartbeat_every = stale_after, heartbeat_every
+        self.on_lost = on_lost or _interrupt_main
         self.owner = uuid.uuid4().hex
+        self._tag: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -68,22 +85,29 @@ class RunLock:
     def check(self) -> None:
         """Raises RunLocked if a live run holds this name; takes nothing. `rlhf run` asks before it starts
         Prefect, so a refused launch prints one line instead of a crashed flow run's traceback."""
-        current = self.store.read_json(self.path)
-        if current and self._stale_reason(current) is None:
+        current, _ = self.store.read_json_tagged(self.path)
+        if current is not None and self._stale_reason(current) is None:
             raise self._refusal(current)
 
     def acquire(self) -> None:
-        current = self.store.read_json(self.path)
-        if current and current.get("owner") != self.owner and not self._takeover(current):
-            raise self._refusal(current)
         self.started = _now()
-        self.store.write_json(self.path, self._record(self.started))
-        time.sleep(0.2)
-        won = self.store.read_json(self.path)
-        if not won or won["owner"] != self.owner:
-            raise RunLocked(f"run {self.run!r} was claimed by another launch at the same moment")
-        self._thread = threading.Thread(target=self._beat, daemon=True)
+        if not self.store.create_json(self.path, self._record(self.started)):
+            current, tag = self.store.read_json_tagged(self.path)
+            if current is None:  # released between the two calls: one more try, which the fastest launch wins
+                if not self.store.create_json(self.path, self._record(self.started)):
+                    raise RunLocked(f"run {self.run!r} was claimed by another launch at the same moment")
+            elif not self._takeover(current):
+                raise self._refusal(current)
+            elif not self.store.replace_json(self.path, self._record(self.started), tag):
+                raise RunLocked(f"run {self.run!r} was taken over by another launch at the same moment")
+        self._refresh_tag()
+        self._thread = threading.Thread(target=self._beat, name=f"rlhf-lock-{self.run}", daemon=True)
         self._thread.start()
+
+    def _refresh_tag(self) -> bool:
+        """Reads back the lock's version after a write of ours; False when it is no longer ours."""
+        current, self._tag = self.store.read_json_tagged(self.path)
+        return isinstance(current, dict) and current.get("owner") == self.owner
 
     def _stale_reason(self, current: dict) -> str | None:
         """Why another owner's lock may be taken over, or None: its heartbeat is older than stale_after, or
@@ -108,15 +132,31 @@ class RunLock:
         return True
 
     def _beat(self) -> None:
+        failing_since = None
         while not self._stop.wait(self.heartbeat_every):
-            self.store.write_json(self.path, self._record(self.started))
+            try:
+                ours = self.store.replace_json(self.path, self._record(self.started), self._tag) and self._refresh_tag()
+                failing_since, why = None, None if ours else (
+                    "another launch took the run name over (it found this run's heartbeat stale)")
+            except StorageError as e:
+                failing_since = failing_since or _now()
+                why = None
+                if _now() - failing_since >= self.stale_after / 2:
+                    why = f"its heartbeat could not be written for {_now() - failing_since:.0f} s ({e})"
+                else:
+                    log.warning("run %r: the lock's heartbeat failed (%s); retrying", self.run, e)
+            if why:
+                if not self._stop.is_set():
+                    self.on_lost(f"run {self.run!r}: the run lock is lost: {why}; stopping the run, which "
+                                 "resumes from its last checkpoint when run again")
+                return
 
     def release(self) -> None:
         self._stop.set()
-        if self._thread:
+        if self._thread and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         current = self.store.read_json(self.path)
-        if current and current["owner"] == self.owner:
+        if isinstance(current, dict) and current.get("owner") == self.owner:
             self.store.remove(self.path)
 
     def release_for(self, pid: int) -> None:
@@ -124,7 +164,7 @@ class RunLock:
         could release it (`rlhf run` kills a flow process that does not stop when asked). A lock of
         another owner is left alone; one the store cannot reach is taken over later as stale."""
         try:
-            current = self.store.read_json(self.path)
+            current, _ = self.store.read_json_tagged(self.path)
             if current and current.get("host") == socket.gethostname() and current.get("pid") == pid:
                 self.store.remove(self.path)
         except StorageError as e:

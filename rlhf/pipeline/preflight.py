@@ -8,7 +8,7 @@ from __future__ import annotations
 from rlhf.core import cluster, tracking
 from rlhf.core.config import PipelineConfig
 from rlhf.core.registry import SPECS, of_kind, plan, stage_inputs
-from rlhf.pipeline.runner import content_key
+from rlhf.pipeline.identity import DATA_FILES, explain, identity, key_of
 from rlhf.core.manifest import ManifestError
 from rlhf.core.store import ATTEMPT, endpoint_problem
 
@@ -20,18 +20,27 @@ def network_problems(cfg: PipelineConfig, timeout: float = 3.0) -> list[str]:
             + cluster.network_problems(cfg, timeout))
 
 
-def predicted_keys(cfg: PipelineConfig) -> dict[str, str]:
-    """Content keys the stages will have: a key depends only on config, code and its inputs' keys."""
-    keys: dict[str, str] = {}
+def predicted_identities(cfg: PipelineConfig) -> dict[str, dict]:
+    """Identities the stages will have (rlhf/pipeline/identity.py): each depends only on config, code, data,
+    model, packages and its inputs' keys, so the whole plan is known before any stage runs."""
+    idents: dict[str, dict] = {}
     for stage in plan(cfg):
-        keys[stage] = content_key(cfg, stage, {s: keys[s] for s in stage_inputs(cfg, stage)})
-    return keys
+        idents[stage] = identity(cfg, stage, {s: key_of(idents[s]) for s in stage_inputs(cfg, stage)})
+    return idents
+
+
+def predicted_keys(cfg: PipelineConfig) -> dict[str, str]:
+    return {stage: key_of(ident) for stage, ident in predicted_identities(cfg).items()}
 
 
 def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
-    """stage -> 'skip (complete, key ...)', 'resume (checkpoints of this key)' or 'run'."""
+    """stage -> 'skip (complete, key ...)', 'resume (checkpoints of this key)' or 'run', with what changed
+    since the stored result when there is one (a data file, the model's weights, a package, a code file,
+    a config value, an upstream stage)."""
     out = {}
-    for stage, key in predicted_keys(cfg).items():
+    paths = {k: getattr(cfg.data, k) for k in DATA_FILES}
+    for stage, ident in predicted_identities(cfg).items():
+        key = key_of(ident)
         try:
             manifest = store.read_manifest(cfg.run.name, stage)
         except ManifestError as e:
@@ -42,8 +51,11 @@ def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
             out[stage] = f"skip (complete, key {key[:12]})"
         elif attempt is not None and attempt.get("key") == key and store.complete_checkpoints(cfg.run.name, stage):
             out[stage] = "resume (checkpoints of this key)"
+        elif manifest is not None:
+            why = explain(stage, manifest, ident, paths) or ["the stored key differs, no recorded part does"]
+            out[stage] = f"run (replaces the stored result: {'; '.join(why)})"
         else:
-            out[stage] = "run" + (" (config or inputs changed: replaces the stored result)" if manifest else "")
+            out[stage] = "run"
     return out
 
 
@@ -108,21 +120,17 @@ def report(cfg: PipelineConfig, store) -> list[str]:
 
 
 def check_data(cfg: PipelineConfig) -> list[str]:
-    """Validates every local user data file an enabled stage will read, row by row, before any model is
-    loaded: a bad row raises DataError naming the file, line and column (data.on_bad_row: fail), or is
-    counted (drop). Returns one summary line per file. Hub dataset names are checked by their stage."""
+    """Validates every local user data file an enabled stage will read (the registry's data_files), row by
+    row, before any model is loaded: a bad row raises DataError naming the file, line and column
+    (data.on_bad_row: fail), or is counted (drop). Returns one summary line per file. Hub dataset names are
+    checked by their stage."""
     from rlhf.data.userdata import load_rows
 
-    enabled = set(plan(cfg))
-    uses = {
-        "sft_path": ("sft", {"sft"}),
-        "prefs_path": ("prefs", {"reward_model", "ref_logprobs", "dpo"} | ({"kto"} if not cfg.data.unpaired_path else set())),
-        "unpaired_path": ("unpaired", {"kto"}),
-    }
+    files = {key: kind for stage in plan(cfg) for key, kind in SPECS[stage].data_files(cfg).items()}
     lines = []
-    for key, (kind, stages) in uses.items():
+    for key, kind in files.items():
         source = getattr(cfg.data, key)
-        if not source or not (enabled & stages) or not source.endswith((".jsonl", ".json", ".parquet")):
+        if not source.endswith((".jsonl", ".json", ".parquet")):
             continue
         rows, dropped = load_rows(source, kind, cfg.data.on_bad_row)
         lines.append(f"data.{key}: {len(rows)} usable rows" + (f", {len(dropped)} dropped" if dropped else ""))

@@ -6,9 +6,7 @@ A stage module exposes `run(stage_cfg, ctx) -> StageResult` and never sees the s
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import logging
 import platform
 import shutil
@@ -19,47 +17,25 @@ from importlib.metadata import PackageNotFoundError, version
 
 from rlhf.core import codehash, tracking
 from rlhf.core.config import PipelineConfig
-from rlhf.core.models import home, model_identity
+from rlhf.core.models import home
 from rlhf.core.registry import SPECS, output_path, stage_inputs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.core.ledger import Meter
 from rlhf.core.resources import PeakRSS
 from rlhf.core.manifest import Manifest, ManifestError
 from rlhf.core.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
+from rlhf.pipeline.identity import identity, key_of
 from rlhf.pipeline.launch import run_stage
 
 log = logging.getLogger("rlhf.pipeline.runner")
 
-# where a stage runs: not part of its key
-PLACEMENT = {"work_pool": True, "job_variables": True, "enabled": True,
-             "launch": {"backend": True, "ray": True, "nnodes": True, "rendezvous": True}}
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "rlhf-pipeline")
 
 
-def code_version(stage: str) -> str:
-    """Hash of the project files the stage's module and the runner import (rlhf/core/codehash.py)."""
-    return codehash.code_version(SPECS[stage].module.replace(".", "/") + ".py")
-
-
-def shared_sections(cfg: PipelineConfig, stage: str) -> dict[str, dict]:
-    """The other config sections in a stage's key, as the key hashes them and its manifest records them."""
-    return {sec: cfg.stage(sec).model_dump(mode="json", exclude=PLACEMENT) for sec in SPECS[stage].shared}
-
-
 def content_key(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> str:
-    """Hash of everything that determines the stage's outputs (not where it runs, not the run name)."""
-    payload = {
-        "stage": stage,
-        "config": cfg.stage(stage).model_dump(mode="json", exclude=PLACEMENT),
-        # sections of other stages that this one reads (the RL loop samples with the rollout settings)
-        "shared": shared_sections(cfg, stage),
-        "model": model_identity(cfg.model),
-        "data": cfg.data.model_dump(mode="json"),
-        "seed": cfg.run.seed,
-        "inputs": input_keys,
-        "code": code_version(stage),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    """Hash of everything that determines the stage's outputs (rlhf/pipeline/identity.py): not where it
+    runs, not the run name."""
+    return key_of(identity(cfg, stage, input_keys))
 
 
 def package_versions() -> dict[str, str]:
@@ -78,8 +54,13 @@ def _now() -> str:
 
 def stage_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[dict[str, Manifest], str]:
     """The stage's input manifests (each must be complete) and its content key."""
+    inputs, ident = inputs_and_identity(cfg, stage, store)
+    return inputs, key_of(ident)
+
+
+def inputs_and_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[dict[str, Manifest], dict]:
     inputs = {s: store.require_manifest(cfg.run.name, s) for s in stage_inputs(cfg, stage)}
-    return inputs, content_key(cfg, stage, {s: m["key"] for s, m in inputs.items()})
+    return inputs, identity(cfg, stage, {s: m["key"] for s, m in inputs.items()})
 
 
 def stage_workdir(cfg: PipelineConfig, stage: str, key: str) -> Path:
@@ -96,7 +77,8 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     """
     store = store or ArtifactStore(cfg.storage)
     run = cfg.run.name
-    inputs, key = stage_identity(cfg, stage, store)
+    inputs, ident = inputs_and_identity(cfg, stage, store)
+    key = key_of(ident)
     try:
         existing, invalid = store.read_manifest(run, stage), False
     except ManifestError as e:  # not a completion this code can trust: the stage runs again
@@ -117,9 +99,9 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
     ctx = StageContext(cfg, store, stage, key, inputs, workdir, stage_log)
     started, t0 = _now(), time.perf_counter()
 
-    record = {"key": key, "inputs": {s: m["key"] for s, m in inputs.items()}, "config": cfg.stage(stage).model_dump(mode="json"),
-              "shared": shared_sections(cfg, stage), "model": model_identity(cfg.model), "data": cfg.data.model_dump(mode="json"),
-              "seed": cfg.run.seed}
+    # the identity the key hashes, and the stage's whole config section (placement too) for the record
+    record = {"key": key, **{k: v for k, v in ident.items() if k != "stage"}, "config": cfg.stage(stage).model_dump(mode="json"),
+              "code_version": codehash.version_of(ident["code"])}
     try:
         with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking, workdir, run, stage, key) as tracker:
             tracker.text(f"{stage}/params", record)
@@ -136,9 +118,8 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         "schema_version": 1,
         "run": run,
         "stage": stage,
-        **record,  # key, inputs, config, the other sections in its key (rlhf diff explains a key from them), ...
-        "code_version": code_version(stage),
-        "packages": package_versions(),
+        **record,  # key, inputs, config, the other parts of its key (rlhf validate and diff explain a key from them)
+        "environment": package_versions(),
         "outputs": result.outputs,
         "rows": result.rows,
         "metrics": result.metrics,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib.metadata import version
 from pathlib import Path
 
 import pyarrow as pa
 
+from rlhf.core import codehash, fingerprint
 from rlhf.engines.logprobs import TokenizedPair, length_problem
 
 REF_LOGPS_SCHEMA = pa.schema(
@@ -35,31 +35,25 @@ class BadPairs(ValueError):
     pass
 
 
-def digest_files(folder: Path, patterns: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for pattern in patterns:
-        for path in sorted(folder.glob(pattern)):
-            h.update(path.name.encode())
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
-    return h.hexdigest()
-
-
 def rows_fingerprint(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
-def reference_key(model_dir: Path, rows: list[dict], dtype: str, code: list[Path], **settings) -> str:
+TOKENIZER_FILES = ("tokenizer*.json", "special_tokens_map.json", "chat_template*")
+
+
+def reference_key(stage: str, model_dir: Path, rows: list[dict], dtype: str, **settings) -> str:
     """Content key of a reference log-prob cache entry: the weights and tokenizer files themselves (not a
-    name), the rows, the dtype, the code that computes the numbers and the TRL version it follows."""
+    name), the rows, the dtype, and the code that computes the numbers with the numeric packages it imports
+    (the stage's import closure, as its own content key has them: rlhf/core/fingerprint.py)."""
+    files = codehash.code_files(f"stages/{stage}.py")
     parts = {
-        "weights": digest_files(model_dir, ("*.safetensors",)),
-        "tokenizer": digest_files(model_dir, ("tokenizer*.json", "special_tokens_map.json", "chat_template*")),
+        "weights": fingerprint.folder_digest(model_dir, ("*.safetensors",)),
+        "tokenizer": fingerprint.folder_digest(model_dir, TOKENIZER_FILES),
         "data": rows_fingerprint(rows),
         "dtype": dtype,
-        "code": hashlib.sha256(b"".join(p.read_bytes() for p in code)).hexdigest(),
-        "trl": version("trl"),
+        "code": codehash.digests(files),
+        "packages": fingerprint.packages(codehash.third_party(files)),
         **settings,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

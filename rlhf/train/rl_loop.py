@@ -255,9 +255,9 @@ def make_reward(cfg, task: Task, scorers):
     return reward
 
 
-def load_policy(cfg, init: str, resume: Path | None, model_cfg):
+def load_policy(cfg, init: str, resume: Path | None, model_cfg, seed: int):
     """The trained policy: full weights, or (lora.enabled) the init model with LoRA adapters (Hu et al.
-    2021); a resume loads the checkpoint's weights or adapters."""
+    2021), drawn from `seed` (run.seed); a resume loads the checkpoint's weights or adapters."""
     if not cfg.lora.enabled:
         return load_causal_lm(str(resume / "policy") if resume else init, model_cfg, trained=True)
     from peft import PeftModel, get_peft_model
@@ -265,6 +265,7 @@ def load_policy(cfg, init: str, resume: Path | None, model_cfg):
     base = load_causal_lm(init, model_cfg)  # frozen: stays in the compute dtype under mixed precision
     if resume:
         return PeftModel.from_pretrained(base, str(resume / "policy"), is_trainable=True)
+    torch.manual_seed(seed)
     return get_peft_model(base, peft_config(cfg))
 
 
@@ -317,7 +318,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     resume = found[1] if found else None
     tok = load_tokenizer(init)
     device = ctx_device()
-    policy = load_policy(cfg, init, resume, pcfg.model).to(device)
+    policy = load_policy(cfg, init, resume, pcfg.model, pcfg.run.seed).to(device)
     use_ref = cfg.uses_reference()
     # The frozen models (reference, reward model) in this process, or in their own Ray actor. With LoRA
     # the reference is the policy with its adapters off (`reference_logps`): no second model.
@@ -518,7 +519,7 @@ def engine_host(cfg, ctx: StageContext):
     mixed-precision context); the trainer's weights arrive by sync before the first sample."""
     init = start_model(ctx, cfg.init_from)
     tok = load_tokenizer(init)
-    policy = load_policy(cfg, init, None, ctx.cfg.model).to(ctx_device()).eval().requires_grad_(False)
+    policy = load_policy(cfg, init, None, ctx.cfg.model, ctx.cfg.run.seed).to(ctx_device()).eval().requires_grad_(False)
     task = Task(ctx.cfg.data)
     return (make_engine(ctx, policy, tok, init, False, task, local=True), policy,
             lambda: autocast(ctx.cfg.model, ctx_device().type))

@@ -307,6 +307,7 @@ class TrainerRun:
         """The TRL trainer of a policy stage on `rows`, with this run's callbacks and the stage's LoRA."""
         from datasets import Dataset
 
+        # TRL's trainers seed with args.seed (run.seed) before they add the LoRA adapters (tests/test_keys.py)
         return trainer_cls(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                            peft_config=peft_config(opts), callbacks=self.callbacks, **extra)
 

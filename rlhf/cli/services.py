@@ -35,7 +35,7 @@ from rlhf.core.config import PipelineConfig
 from rlhf.core.models import home
 from rlhf.core.tracking import server_problem
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: rlhf/ops/services.py
+REPO = Path(__file__).resolve().parents[2]  # the checkout: rlhf/cli/services.py
 BIN = Path(sys.executable).parent
 
 

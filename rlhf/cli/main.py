@@ -220,7 +220,7 @@ def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default
     Run again to restart workers that died; what is healthy is kept. With tracking.backends: [mlflow] and a
     127.0.0.1/localhost tracking.mlflow.uri, an MLflow server there too; with --ray, a local Ray head."""
     cfg, _, _ = _load_or_exit(config, profile, set_ or [])  # no probes: up starts the tracking server
-    from rlhf.ops import services
+    from rlhf.cli import services
 
     try:
         services.up(cfg, config, services.state_dir(state_dir and str(state_dir)), poll_seconds, heartbeat_seconds,
@@ -251,7 +251,7 @@ def down(state_dir: StateOpt = None,
                                              "(as Ctrl-C would: the same command resumes them)")] = False) -> None:
     """Stop the workers, then the server, that `rlhf up` started (by their recorded PIDs). Refused (exit 1)
     while runs report to that server, unless --force."""
-    from rlhf.ops import services
+    from rlhf.cli import services
 
     try:
         services.down(services.state_dir(state_dir and str(state_dir)), log=typer.echo, force=force)
@@ -263,7 +263,7 @@ def down(state_dir: StateOpt = None,
 @app.command()
 def status(state_dir: StateOpt = None) -> None:
     """Show the server URL and whether each process `rlhf up` started is alive."""
-    from rlhf.ops import services
+    from rlhf.cli import services
 
     typer.echo(json.dumps(services.status(services.state_dir(state_dir and str(state_dir))), indent=2))
 
