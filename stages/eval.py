@@ -22,6 +22,7 @@ import torch
 
 from rlhf.core import progress
 from rlhf.maths.bradley_terry import paired_accuracy_diff, rate
+from rlhf.maths.style_control import rate_length_controlled
 from rlhf.core.config import EvalConfig
 from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
@@ -29,7 +30,8 @@ from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.schemas import SCHEMAS
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task, assistant
+from rlhf.data.tasks import assistant
+from rlhf.data.sources import make_task
 from rlhf.train.training import fetch_model
 
 
@@ -103,7 +105,8 @@ def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list
         model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size))
 
 
-def battles(cfg: EvalConfig, correct: dict[str, np.ndarray], rewards: dict[str, np.ndarray] | None, ids: list[tuple]) -> list[dict]:
+def battles(cfg: EvalConfig, correct: dict[str, np.ndarray], rewards: dict[str, np.ndarray] | None, ids: list[tuple],
+            tokens: dict[str, list[int]]) -> list[dict]:
     judges = {"verifier": ["verifier"], "reward_model": ["reward_model"], "both": ["verifier", "reward_model"]}[cfg.judge]
     rows = []
     for judge in judges:
@@ -113,14 +116,14 @@ def battles(cfg: EvalConfig, correct: dict[str, np.ndarray], rewards: dict[str, 
             else:
                 d = rewards[a] - rewards[b]
                 sa = np.where(np.abs(d) <= cfg.tie_margin, 0.5, (d > 0).astype(float))
-            rows += [{"prompt_id": pid, "sample_index": s, "judge": judge, "policy_a": a, "policy_b": b, "score_a": float(x)}
-                     for (pid, s), x in zip(ids, sa)]
+            rows += [{"prompt_id": pid, "sample_index": s, "judge": judge, "policy_a": a, "policy_b": b, "score_a": float(x),
+                      "tokens_a": ta, "tokens_b": tb} for (pid, s), x, ta, tb in zip(ids, sa, tokens[a], tokens[b])]
     return rows
 
 
 def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
     run_name = ctx.cfg.run.name
-    task = Task(ctx.cfg.data)
+    task = make_task(ctx.cfg.data)
     problems = task.eval[: cfg.prompts]
     prompts = [p.messages() for p in problems]
     with torch.inference_mode():
@@ -128,18 +131,22 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
         kl = log_ratio_to_reference(ctx, cfg, prompts, gens)
         rewards = rm_rewards(ctx, cfg, prompts, gens)
     ids = [(problems[g.prompt_index].id, g.sample_index) for g in gens[cfg.policies[0]]]
-    scores = {p: np.array([task.score(g.text, problems[g.prompt_index]) for g in gens[p]]) for p in cfg.policies}
-    correct = {p: (s >= 1.0).astype(float) for p, s in scores.items()}
+    # open-ended prompts (no gold answers) have no verifier score: the reward model is the only judge
+    scores = None if task.open_ended else {
+        p: np.array([task.score(g.text, problems[g.prompt_index]) for g in gens[p]]) for p in cfg.policies}
+    correct = {p: (s >= 1.0).astype(float) for p, s in scores.items()} if scores else None
     rm = {p: np.array(v) for p, v in rewards.items()} if rewards else None
 
     samples = [
         {"run": run_name, "policy": p, "prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index,
-         "prompt": problems[g.prompt_index].question, "response": g.text, "verifier_score": float(scores[p][i]),
-         "correct": bool(correct[p][i]), "rm_reward": float(rm[p][i]) if rm else None,
+         "prompt": problems[g.prompt_index].question, "response": g.text,
+         "verifier_score": float(scores[p][i]) if scores else None, "correct": bool(correct[p][i]) if correct else None,
+         "rm_reward": float(rm[p][i]) if rm else None,
          "response_tokens": len(g.token_ids), "log_ratio_to_ref": kl[p][i], "finish_reason": g.finish_reason}
         for p in cfg.policies for i, g in enumerate(gens[p])
     ]
-    battle_rows = [{"run": run_name, **r} for r in battles(cfg, correct, rm, ids)]
+    tokens = {p: [len(g.token_ids) for g in gens[p]] for p in cfg.policies}
+    battle_rows = [{"run": run_name, **r} for r in battles(cfg, correct, rm, ids, tokens)]
     index = {p: i for i, p in enumerate(cfg.policies)}
     rating_rows, metrics = [], {}
     for judge in sorted({r["judge"] for r in battle_rows}):
@@ -147,24 +154,32 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
         a = np.array([index[r["policy_a"]] for r in rs])
         b = np.array([index[r["policy_b"]] for r in rs])
         # The bootstrap resamples prompts: all battles on one prompt share its difficulty.
-        r = rate(a, b, np.array([x["score_a"] for x in rs]), cfg.policies, cfg.anchor, cfg.bootstrap_rounds, cfg.seed,
-                 clusters=np.array([x["prompt_id"] for x in rs]))
+        score, clusters = np.array([x["score_a"] for x in rs]), np.array([x["prompt_id"] for x in rs])
+        r = rate(a, b, score, cfg.policies, cfg.anchor, cfg.bootstrap_rounds, cfg.seed, clusters=clusters)
+        lc = rate_length_controlled(a, b, score, np.array([x["tokens_a"] for x in rs]), np.array([x["tokens_b"] for x in rs]),
+                                    cfg.policies, cfg.anchor, cfg.bootstrap_rounds, cfg.seed, clusters=clusters)
         for i, p in enumerate(cfg.policies):
             rating_rows.append({"run": run_name, "judge": judge, "policy": p, "elo": float(r.elo[i]),
                                 "ci_low": float(r.ci_low[i]), "ci_high": float(r.ci_high[i]),
-                                "battles": int(r.battles[i].sum()), "accuracy": float(correct[p].mean())})
+                                "battles": int(r.battles[i].sum()),
+                                "accuracy": float(correct[p].mean()) if correct else None,
+                                "lc_elo": float(lc.elo[i]), "lc_ci_low": float(lc.ci_low[i]), "lc_ci_high": float(lc.ci_high[i]),
+                                "length_coef": lc.gamma, "length_coef_ci_low": lc.gamma_ci[0],
+                                "length_coef_ci_high": lc.gamma_ci[1]})
             metrics[f"eval/{judge}/elo/{p}"] = float(r.elo[i])
+            metrics[f"eval/{judge}/lc_elo/{p}"] = float(lc.elo[i])
         metrics[f"eval/{judge}/ci95_width_max"] = float((r.ci_high - r.ci_low).max())
+        metrics[f"eval/{judge}/length_coef"] = lc.gamma
     metric_rows = []
     for p in cfg.policies:
-        values = {"accuracy": correct[p].mean(), "mean_response_tokens": np.mean([len(g.token_ids) for g in gens[p]]),
-                  "mean_log_ratio_to_ref": np.mean(kl[p])}
+        values = {**({"accuracy": correct[p].mean()} if correct else {}),
+                  "mean_response_tokens": np.mean([len(g.token_ids) for g in gens[p]]), "mean_log_ratio_to_ref": np.mean(kl[p])}
         if rm:
             values["mean_rm_reward"] = rm[p].mean()
         metric_rows += [{"run": run_name, "policy": p, "name": k, "value": float(v)} for k, v in values.items()]
         metrics.update({f"eval/{k}/{p}": float(v) for k, v in values.items()})
     diffs = []
-    for a, b in itertools.combinations(cfg.policies, 2):
+    for a, b in itertools.combinations(cfg.policies, 2) if correct else ():
         mean, lo, hi = paired_accuracy_diff(correct[a], correct[b], cfg.bootstrap_rounds, cfg.seed)
         diffs.append({"run": run_name, "policy_a": a, "policy_b": b, "accuracy_diff": mean, "ci_low": lo, "ci_high": hi})
     run_row = [{"run": run_name, "profile": ctx.cfg.profile, "model": ctx.cfg.model.name,
@@ -185,10 +200,16 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
 
 
 def leaderboard_markdown(ratings: list[dict]) -> str:
-    lines = ["| judge | policy | Elo | 95% CI | accuracy | battles |", "|---|---|---|---|---|---|"]
+    lines = ["| judge | policy | Elo | 95% CI | length-controlled Elo | 95% CI | accuracy | battles |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(ratings, key=lambda r: (r["judge"], -r["elo"])):
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
         lines.append(f"| {r['judge']} | {r['policy']} | {r['elo']:.0f} | [{r['ci_low']:.0f}, {r['ci_high']:.0f}] "
-                     f"| {r['accuracy']:.3f} | {r['battles']} |")
+                     f"| {r['lc_elo']:.0f} | [{r['lc_ci_low']:.0f}, {r['lc_ci_high']:.0f}] | {accuracy} | {r['battles']} |")
+    for judge in sorted({r["judge"] for r in ratings}):
+        r = next(x for x in ratings if x["judge"] == judge)
+        lines.append(f"\n{judge} judge's length coefficient: {r['length_coef']:+.2f} [{r['length_coef_ci_low']:+.2f}, "
+                     f"{r['length_coef_ci_high']:+.2f}] (log-odds per unit of normalised length difference; > 0: prefers longer)")
     return "\n".join(lines)
 
 

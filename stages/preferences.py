@@ -29,7 +29,7 @@ from rlhf.core.config import PreferencesConfig
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.pairs import PAIRS_SCHEMA
-from rlhf.data.tasks import Task
+from rlhf.data.sources import make_task
 from rlhf.engines.engine import HFEngine
 from rlhf.train.onpolicy import contrast_rows, make_judge, pair_rows, sample_and_judge
 from rlhf.train.training import fetch_model
@@ -46,7 +46,7 @@ SAMPLES_SCHEMA = pa.schema([
 
 
 def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
-    task = Task(ctx.cfg.data)
+    task = make_task(ctx.cfg.data)
     path = resolve_model(ctx.cfg.model) if cfg.policy == "base" else fetch_model(ctx, "sft")
     policy_key = ctx.inputs["sft"]["key"] if cfg.policy == "sft" else ""
     judge, judge_name = make_judge(cfg, task, ctx.cfg.model.dtype)

@@ -31,6 +31,7 @@ from trl import RewardConfig, RewardTrainer
 from rlhf.core.config import RewardModelConfig
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
 from rlhf.data.pairs import onpolicy_pairs, stage_pairs
+from rlhf.data.tasks import assistant, user
 from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.train.dpo_trainer import CachedRefDPOTrainer
 from rlhf.train.rewards import reward_model_scores
@@ -111,14 +112,23 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
                   dropped)
 
 
+def as_conversation(row: dict) -> dict:
+    """A plain-text pair {prompt, chosen, rejected} (TRL's standard format) as a conversation: the prompt as
+    the user's turn, each answer as the assistant's reply, the form the implicit reward scores (the answer's
+    log-likelihood after the prompt under the chat template). Conversational pairs pass unchanged; a pair
+    without a prompt is refused by preflight (rlhf/pipeline/preflight.py check_data)."""
+    if isinstance(row["chosen"], list):
+        return row
+    return {**row, "prompt": [user(row["prompt"])], "chosen": [assistant(row["chosen"])],
+            "rejected": [assistant(row["rejected"])]}
+
+
 def run_implicit(cfg: RewardModelConfig, ctx: StageContext, init: str, tokenizer, train_rows: list[dict],
                  eval_rows: list[dict], on_policy: bool, dropped: int) -> StageResult:
     """The implicit reward model: reference-free DPO (zero reference log-probs, beta 1) of the init LM."""
     from trl import DPOConfig as TRLDPOConfig
 
-    if not all(isinstance(r["chosen"], list) for r in train_rows + eval_rows):
-        raise ValueError("reward_model.kind: implicit scores an answer by its log-likelihood after the prompt, so it "
-                         "needs conversational pairs (prompt, chosen and rejected as messages); these are plain text")
+    train_rows, eval_rows = [as_conversation(r) for r in train_rows], [as_conversation(r) for r in eval_rows]
     pcfg = ctx.cfg
     rows = [{**r, "ref_chosen_logps": 0.0, "ref_rejected_logps": 0.0} for r in train_rows]
     tr = TrainerRun.start(ctx)

@@ -16,7 +16,7 @@ from rlhf.engines.engine import HFEngine, SamplingParams
 from rlhf.engines.vllm_engine import make_vllm
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task
+from rlhf.data.sources import make_task
 from rlhf.train.training import fetch_model
 
 ROLLOUT_SCHEMA = pa.schema([
@@ -35,7 +35,7 @@ ROLLOUT_SCHEMA = pa.schema([
 def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
     path = resolve_model(ctx.cfg.model) if cfg.policy == "base" else fetch_model(ctx, cfg.policy)
     tok = load_tokenizer(path)
-    task = Task(ctx.cfg.data)
+    task = make_task(ctx.cfg.data)
     problems = (task.train if cfg.split == "train" else task.eval)[: cfg.prompts]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.n, cfg.seed)
     def on_batch(done: int, total: int) -> None:
@@ -51,9 +51,10 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
             gens = HFEngine(load_causal_lm(path, ctx.cfg.model), tok, cfg.batch_size).generate(prompts, params, on_batch=on_batch)
     rows = [{"prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index, "prompt": problems[g.prompt_index].question,
              "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "finish_reason": g.finish_reason,
-             "reward": task.score(g.text, problems[g.prompt_index])} for g in gens]
+             # the verifier's score; none for open-ended prompts (nothing to verify against)
+             "reward": None if task.open_ended else task.score(g.text, problems[g.prompt_index])} for g in gens]
     ctx.store.write_table(ctx.path("rollouts.parquet"), pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), ROLLOUT_SCHEMA)
-    mean_reward = sum(r["reward"] for r in rows) / len(rows)
-    return StageResult(outputs={"rollouts": "rollouts.parquet"}, rows={"samples": len(rows)},
-                       metrics={"rollout/reward_mean": mean_reward,
-                                "rollout/stop_fraction": sum(g.finish_reason == "stop" for g in gens) / len(gens)})
+    metrics = {"rollout/stop_fraction": sum(g.finish_reason == "stop" for g in gens) / len(gens)}
+    if not task.open_ended:
+        metrics["rollout/reward_mean"] = sum(r["reward"] for r in rows) / len(rows)
+    return StageResult(outputs={"rollouts": "rollouts.parquet"}, rows={"samples": len(rows)}, metrics=metrics)

@@ -18,7 +18,7 @@ from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.pairs import demonstrations
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task
+from rlhf.data.sources import make_task
 from rlhf.train.training import TrainerRun, trainer_kwargs
 
 
@@ -34,8 +34,8 @@ def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     base = resolve_model(pcfg.model)
     tokenizer = load_tokenizer(base)
     model = load_causal_lm(base, pcfg.model, trained=not cfg.lora.enabled)
-    task = Task(pcfg.data)
-    held_out = task.eval[: cfg.eval_prompts]
+    task = make_task(pcfg.data)
+    held_out = [] if task.open_ended else task.eval[: cfg.eval_prompts]  # open-ended: nothing to verify
     metrics: dict[str, float] = {}
     if held_out and dist.is_main():
         metrics["sft/base_accuracy"] = verifier_accuracy(model, tokenizer, task, held_out, cfg.eval_max_new_tokens)

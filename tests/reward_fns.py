@@ -14,7 +14,7 @@ def brevity(prompts, completions, completion_ids, **kwargs):
 
 
 def nan_after_first(prompts, completions, **kwargs):
-    """A broken reward: NaN for every sample (drives the NaN guard)."""
+    """A broken reward: NaN for every sample (refused, naming the function)."""
     return [float("nan")] * len(completions)
 
 
@@ -27,3 +27,24 @@ def uniform_on_sums(prompts, completions, completion_ids, **kwargs):
 def constant(prompts, completions, **kwargs):
     """The same reward for every answer: every GRPO group is uniform (nothing to learn)."""
     return [1.0] * len(completions)
+
+
+def target_scaled(prompts, completions, completion_ids, target, **kwargs):
+    """The row's `target` column over 100, whatever the completion: proves the column reaches the function
+    by name, aligned with each completion."""
+    return [float(t) / 100 for t in target]
+
+
+def long_answers(prompts, completions, completion_ids, **kwargs):
+    """The answer's length in tokens over 8: a judge that only likes length (for open-ended prompts)."""
+    return [min(len(ids), 8) / 8 for ids in completion_ids]
+
+
+def wrong_length(prompts, completions, **kwargs):
+    """One reward for any number of completions: refused."""
+    return [0.0]
+
+
+def needs_gold(prompts, completions, gold, **kwargs):
+    """Reads a `gold` column the prompts do not have (its probe call fails)."""
+    return [float(g) for g in gold]

@@ -22,8 +22,11 @@ def test_battle_judging_by_hand():
     cfg = EvalConfig(policies=["base", "sft", "dpo"], judge="both", tie_margin=0.5)
     correct = {"base": np.array([0.0, 1.0]), "sft": np.array([1.0, 1.0]), "dpo": np.array([0.0, 0.0])}
     rewards = {"base": np.array([0.0, 2.0]), "sft": np.array([0.4, 1.0]), "dpo": np.array([3.0, 0.0])}
-    rows = battles(cfg, correct, rewards, [("eval-0", 0), ("eval-1", 0)])
+    tokens = {"base": [9, 4], "sft": [3, 3], "dpo": [5, 1]}
+    rows = battles(cfg, correct, rewards, [("eval-0", 0), ("eval-1", 0)], tokens)
     got = {(r["judge"], r["policy_a"], r["policy_b"], r["prompt_id"]): r["score_a"] for r in rows}
+    lengths = {(r["policy_a"], r["policy_b"], r["prompt_id"]): (r["tokens_a"], r["tokens_b"]) for r in rows}
+    assert lengths[("base", "dpo", "eval-1")] == (4, 1) and lengths[("sft", "dpo", "eval-0")] == (3, 5)
     assert got[("verifier", "base", "sft", "eval-0")] == 0.0  # wrong vs right
     assert got[("verifier", "base", "sft", "eval-1")] == 0.5  # both right: tie
     assert got[("verifier", "sft", "dpo", "eval-0")] == 1.0

@@ -94,13 +94,26 @@ def test_crash_after_checkpoint_resumes_at_next_iteration(tiny_cfg, monkeypatch)
     assert len(reward_curve(cfg, "grpo")) == 5
 
 
-def test_nan_reward_stops_with_iteration_and_metric(tiny_cfg):
+def test_a_nan_reward_stops_the_stage_naming_the_function(tiny_cfg):
+    from rlhf.train.rewards import RewardFunctionError
+
     cfg = rl_cfg(tiny_cfg, "grpo", "grpo.reward_function=reward_fns:nan_after_first", "grpo.iterations=3",
                  "grpo.prompts_per_iteration=2", "grpo.group_size=4", "grpo.minibatch_size=8")
-    with pytest.raises(RLGuardError, match=r"grpo iteration 1: policy loss is nan"):
+    with pytest.raises(RewardFunctionError, match=r"reward function reward_fns:nan_after_first: returned nan for "
+                                                  r"completion 0: rewards must be finite"):
         execute_stage(cfg, "grpo")
     store = ArtifactStore(cfg.storage)
     assert store.read_manifest(cfg.run.name, "grpo") is None
+
+
+def test_the_guard_stops_on_a_nan_or_a_kl_above_the_limit_naming_the_iteration():
+    from rlhf.train.rl_loop import guard
+
+    with pytest.raises(RLGuardError, match=r"grpo iteration 3: policy loss is nan; stopping, the last complete checkpoint"):
+        guard("grpo", 3, "policy loss", float("nan"))
+    with pytest.raises(RLGuardError, match=r"ppo iteration 2: mean KL = 12.000 exceeds max_kl 10"):
+        guard("ppo", 2, "mean KL", 12.0, 10.0)
+    guard("ppo", 2, "mean KL", 9.0, 10.0)
 
 
 def test_rollout_stage_writes_scored_samples(tiny_cfg):

@@ -343,7 +343,7 @@ def diff(
     code version, an upstream stage's key); final metrics side by side; eval Elo with intervals."""
     cfgs = [_load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(r)}"])[0] for r in (run_a, run_b)]
     from rlhf.ops.diff import diff_runs, render
-    from rlhf.ops.results import SCHEMAS
+    from rlhf.ops.results import eval_tables
     from rlhf.core.registry import NAMES
     from rlhf.core.manifest import ManifestError
     from rlhf.core.store import ArtifactStore, StorageError
@@ -357,8 +357,7 @@ def diff(
                 typer.echo(f"no run {run!r} under {store.url(store.path(run))}", err=True)
                 raise typer.Exit(2)
             manifests[run] = {s: m for s in NAMES if isinstance(m := store.read_manifest(run, s), dict)}
-            path = store.stage_path(run, "eval", "ratings.parquet")
-            ratings[run] = store.read_table(path, SCHEMAS["ratings"]).to_pylist() if "eval" in manifests[run] else []
+            ratings[run] = eval_tables(store, [run], "ratings").to_table().to_pylist() if "eval" in manifests[run] else []
     except StorageError as e:
         typer.echo(f"storage: {e}", err=True)
         raise typer.Exit(2) from None

@@ -140,6 +140,22 @@ class DataConfig(Strict):
     # ('-19' for -1 scores 0.67, '12' for 2 scores 0.5): that rewards wrong answers in RL and makes some
     # wrong answers "chosen" in on-policy pairs (docs/benchmarks.md). true reproduces runs before 2026-12-02
     partial_credit: bool = False
+    # Your own prompts, instead of data.task's generated problems, for the preferences stage, PPO, GRPO,
+    # rollouts and eval (JSONL, Parquet, a local Hugging Face dataset folder, or a hub dataset name): rows
+    # {prompt: str | [messages], ...any other columns}; every other column reaches reward functions by name
+    prompts_path: str | None = None
+    eval_prompts_path: str | None = None  # held-out prompts; unset: a seeded split of prompts_path
+    eval_fraction: float = Field(0.1, gt=0.0, lt=1.0)  # the held-out share of that split (by data.seed)
+    # the column with each prompt's gold answer, for the verifier (RL rewards, pairs, eval accuracy);
+    # null: open-ended prompts, judged by the reward model
+    answer_column: str | None = Field("answer", min_length=1, max_length=100)
+    # how a completion is checked against the answer: math_verify (HF's math-verify: the last answer in the
+    # completion, as a number, fraction, decimal, LaTeX or \boxed{}, equal in value), or exact (the stripped
+    # completion equals the stripped answer)
+    verifier: Literal["math_verify", "exact"] = "math_verify"
+    # SFT demonstrations from the prompts file when data.sft_path is unset: this column as the reply
+    # (a worked solution); null: the answer column
+    completion_column: str | None = Field(None, min_length=1, max_length=100)
 
     @field_validator("task")
     @classmethod
@@ -150,9 +166,17 @@ class DataConfig(Strict):
 
     @model_validator(mode="after")
     def _format(self) -> DataConfig:
-        if self.answer_format == "worked" and self.task != "reasoning_gym:chain_sum":
+        if self.answer_format == "worked" and (self.task != "reasoning_gym:chain_sum" or self.prompts_path):
             raise ValueError(f"answer_format: 'worked' solutions exist for reasoning_gym:chain_sum only, got task {self.task!r}")
+        if self.eval_prompts_path and not self.prompts_path:
+            raise ValueError("eval_prompts_path: held-out prompts go with data.prompts_path (the training prompts)")
+        if self.completion_column and not self.prompts_path:
+            raise ValueError("completion_column: names a column of data.prompts_path, which is unset")
         return self
+
+    def open_ended(self) -> bool:
+        """Prompts without gold answers: nothing to verify, the reward model judges."""
+        return bool(self.prompts_path) and self.answer_column is None
 
 
 class MlflowOptions(Strict):
@@ -574,6 +598,34 @@ class KTOConfig(TrainerOptions):
         return self
 
 
+FUNCTION = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"  # 'package.module:function'
+
+
+class RewardSpec(Strict):
+    """One term of the RL reward; the terms are summed with their weights (TRL's reward_funcs and reward_weights)."""
+
+    # verifier: the task's check (reasoning-gym's for data.task; data.verifier against data.answer_column for
+    # data.prompts_path); math_verify: the completion's answer against the row's `column` with HF's math-verify
+    # (integers, fractions, decimals, LaTeX, \boxed{}); reward_model: the trained reward model; function: a
+    # function of yours, `function` ('module:function') with TRL's signature (prompts, completions,
+    # completion_ids, **columns) -> one float per completion, every other column of the prompt row by name
+    kind: Literal["verifier", "math_verify", "reward_model", "function"]
+    weight: float = Field(1.0, allow_inf_nan=False)
+    column: str = Field("answer", min_length=1, max_length=100)  # math_verify: the gold answers' column
+    function: str | None = Field(None, max_length=300, pattern=FUNCTION)  # kind function: 'module:function'
+    name: str | None = Field(None, pattern=r"^[a-z0-9_]{1,40}$")  # metric name <algo>/reward/<name> (default: derived)
+
+    @model_validator(mode="after")
+    def _function(self) -> RewardSpec:
+        if (self.kind == "function") != (self.function is not None):
+            raise ValueError("function: set it exactly when kind is 'function' ('module:function')")
+        return self
+
+    def label(self) -> str:
+        """The term's name in metrics and the experience table."""
+        return self.name or (self.function.rpartition(":")[2].lower() if self.function else self.kind)
+
+
 class RLOptions(Placement):
     """Batch shape of one RL iteration; shared by PPO and GRPO."""
 
@@ -593,7 +645,11 @@ class RLOptions(Placement):
     # verifier: the task's rule-based check (RLVR); reward_model: the trained RM; sum: verifier + RM;
     # function: `reward_function` ('module:function', TRL's signature (prompts, completions, **kw)).
     reward_source: Literal["verifier", "reward_model", "sum", "function"] = "verifier"
-    reward_function: str | None = None  # 'module:function' when reward_source is 'function'
+    reward_function: str | None = Field(None, max_length=300, pattern=FUNCTION)  # 'module:function' when reward_source is 'function'
+    # a weighted sum of reward terms; when set, it replaces reward_source and reward_function (`rlhf validate`
+    # prints the terms that apply). E.g. math_verify against an answer column plus 0.1 x a format function:
+    # every term's mean is logged per iteration and kept in the experience table
+    rewards: list[RewardSpec] = Field(default_factory=list)
     optim: Literal["adamw_torch", "adamw_bnb_8bit"] = "adamw_torch"  # adamw_bnb_8bit: 8-bit AdamW states (bitsandbytes)
     max_grad_norm: float = Field(1.0, gt=0.0)  # gradient clipping by global norm
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory, slower
@@ -623,7 +679,19 @@ class RLOptions(Placement):
         algorithm's `uses_reference`; not with LoRA, whose reference is the policy with its adapters off)
         and a reward model."""
         return (["reference"] if self.uses_reference() and not self.lora.enabled else []) + (
-            ["reward_model"] if self.reward_source in ("reward_model", "sum") else [])
+            ["reward_model"] if self.uses_reward_model() else [])
+
+    def reward_specs(self) -> list[RewardSpec]:
+        """The reward's terms: `rewards`, or the one or two that reward_source names."""
+        if self.rewards:
+            return list(self.rewards)
+        if self.reward_source == "function":
+            return [RewardSpec(kind="function", function=self.reward_function)]
+        kinds = {"verifier": ["verifier"], "reward_model": ["reward_model"], "sum": ["verifier", "reward_model"]}
+        return [RewardSpec(kind=k) for k in kinds[self.reward_source]]
+
+    def uses_reward_model(self) -> bool:
+        return any(r.kind == "reward_model" for r in self.reward_specs())
 
     def samples_per_prompt(self) -> int:
         return 1
@@ -635,6 +703,9 @@ class RLOptions(Placement):
                              f"there is no trainer log-prob to correct towards), got {self.sampler_correction!r}")
         if (self.reward_source == "function") != (self.reward_function is not None):
             raise ValueError("reward_function: set it exactly when reward_source is 'function' ('module:function')")
+        labels = [r.label() for r in self.rewards]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"rewards: two terms share a name {labels}; give one a `name`")
         if self.minibatch_size % self.gradient_accumulation_steps:
             raise ValueError(f"gradient_accumulation_steps: must divide minibatch_size ({self.minibatch_size}), "
                              f"got {self.gradient_accumulation_steps}")
@@ -809,6 +880,12 @@ class PipelineConfig(Strict):
                     raise ValueError(f"eval.policies: {policy!r} needs {policy}.enabled: true")
             if self.eval.judge != "verifier" and not self.reward_model.enabled:
                 raise ValueError(f"eval.judge: {self.eval.judge!r} needs reward_model.enabled: true")
+            if self.eval.judge != "reward_model" and self.data.open_ended():
+                raise ValueError(f"eval.judge: {self.eval.judge!r} needs gold answers, and data.answer_column is null "
+                                 "(open-ended prompts): use eval.judge: reward_model")
+        if self.preferences.enabled and self.preferences.judge == "verifier" and self.data.open_ended():
+            raise ValueError("preferences.judge: 'verifier' needs gold answers, and data.answer_column is null "
+                             "(open-ended prompts): use judge reward_model or function")
         for name in ("ppo", "grpo"):
             rl = self.stage(name)
             if rl.enabled and rl.init_from != "sft" and not self.stage(rl.init_from).enabled:
@@ -818,8 +895,14 @@ class PipelineConfig(Strict):
             if rl.enabled and rl.prompts_per_iteration > pool:
                 raise ValueError(f"{name}.prompts_per_iteration: each iteration draws distinct prompts from the RL pool "
                                  f"of {pool} (data.rl_size, or data.train_size when it is 0), got {rl.prompts_per_iteration}")
-            if rl.enabled and rl.reward_source in ("reward_model", "sum") and not self.reward_model.enabled:
-                raise ValueError(f"{name}.reward_source: {rl.reward_source!r} needs reward_model.enabled: true")
+            if rl.enabled and rl.uses_reward_model() and not self.reward_model.enabled:
+                key = "rewards" if rl.rewards else "reward_source"
+                raise ValueError(f"{name}.{key}: a reward_model term needs reward_model.enabled: true")
+            answers = [r.kind for r in rl.reward_specs() if r.kind in ("verifier", "math_verify")]
+            if rl.enabled and answers and self.data.open_ended():
+                raise ValueError(f"{name}.{'rewards' if rl.rewards else 'reward_source'}: {answers[0]!r} checks gold "
+                                 "answers, and data.answer_column is null (open-ended prompts): reward them with the "
+                                 "reward model or a function")
             if rl.enabled and rl.launch.ray.scorers == "own" and not rl.frozen_models():
                 raise ValueError(f"{name}.launch.ray.scorers: 'own' but this {name} has no frozen model to place: no "
                                  "reference (KL coefficient 0, or LoRA, whose reference is the policy with its adapters "

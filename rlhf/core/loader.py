@@ -225,10 +225,11 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         raw["storage"] = {}
     if isinstance(raw["storage"], dict):
         raw["storage"].setdefault("url", StorageConfig.model_fields["url"].default)
-    for section, key in (("storage", "url"), ("data", "sft_path"), ("data", "prefs_path"), ("data", "unpaired_path")):
+    for section, key in (("storage", "url"), *(("data", k) for k in DATA_KEYS)):
         sec = raw.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
-            sec[key] = _resolve_local(sec[key], base) if (section == "storage" or _is_file_like(sec[key])) else sec[key]
+            local = section == "storage" or _is_file_like(sec[key]) or (base / sec[key]).exists()
+            sec[key] = _resolve_local(sec[key], base) if local else sec[key]
     cfg = validate(raw, str(path))
     problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking) + cluster.launch_problems(cfg)
     if problems:
@@ -237,6 +238,8 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+PROMPT_KEYS = ("prompts_path", "eval_prompts_path")
+DATA_KEYS = ("sft_path", "prefs_path", "unpaired_path", *PROMPT_KEYS)  # data keys naming a file, folder or hub dataset
 
 
 def local_path_problems(cfg: PipelineConfig) -> list[str]:
@@ -251,12 +254,17 @@ def local_path_problems(cfg: PipelineConfig) -> list[str]:
             problems.append(f"model.name: local path {name!r} does not exist (or is not a folder)")
         elif not (folder / "config.json").is_file():
             problems.append(f"model.name: {name!r} is not a model folder (no config.json in it)")
-    for key in ("sft_path", "prefs_path", "unpaired_path"):
+    for key in DATA_KEYS:
         value = getattr(cfg.data, key)
         if value is None or not value.startswith("/"):  # hub dataset names stay for their stage to fetch
             continue
-        if not value.endswith(DATA_SUFFIXES):
-            problems.append(f"data.{key}: {_Shown(value)!r} has an unsupported suffix; use .jsonl, .json or .parquet")
+        if key in PROMPT_KEYS and Path(value).is_dir():  # a dataset saved with `datasets`' save_to_disk
+            if not any((Path(value) / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
+                problems.append(f"data.{key}: {_Shown(value)!r} is a folder but not a saved Hugging Face dataset "
+                                "(no dataset_info.json or dataset_dict.json)")
+        elif not value.endswith(DATA_SUFFIXES):
+            problems.append(f"data.{key}: {_Shown(value)!r} has an unsupported suffix; use .jsonl, .json or .parquet"
+                            + (" (or a saved Hugging Face dataset folder)" if key in PROMPT_KEYS else ""))
         elif not Path(value).is_file():
             problems.append(f"data.{key}: file not found: {_Shown(value)!r}")
     return problems

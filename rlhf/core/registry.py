@@ -51,14 +51,15 @@ def _pairs(cfg) -> list[str]:
 def _rl_inputs(name: str) -> Callable:
     def inputs(cfg) -> list[str]:
         rl = cfg.stage(name)
-        rm = rl.reward_source in ("reward_model", "sum") or getattr(rl, "critic_init", "") == "reward_model"
+        rm = rl.uses_reward_model() or getattr(rl, "critic_init", "") == "reward_model"
         start = [] if rl.init_from == "sft" else [rl.init_from]
         return sorted({*_sft(cfg), *start, *(["reward_model"] if rm else [])}, key=NAMES.index)
     return inputs
 
 
 def _sft_data(cfg) -> dict[str, str]:
-    return {"sft_path": "sft"} if cfg.data.sft_path else {}
+    # demonstrations from data.sft_path, else from the prompts file (and its held-out prompts for accuracy)
+    return {"sft_path": "sft"} if cfg.data.sft_path else _prompts_data(cfg)
 
 
 def _pairs_data(cfg) -> dict[str, str]:
@@ -67,11 +68,20 @@ def _pairs_data(cfg) -> dict[str, str]:
 
 
 def _kto_data(cfg) -> dict[str, str]:
-    return {"unpaired_path": "unpaired"} if cfg.data.unpaired_path else _pairs_data(cfg)
+    return {**({"unpaired_path": "unpaired"} if cfg.data.unpaired_path else _pairs_data(cfg)), **_prompts_data(cfg)}
 
 
-def _function(name: str) -> Callable:
-    return lambda cfg: [f] if (f := cfg.stage(name).reward_function) else []
+def _judge_function(cfg) -> list[str]:
+    return [cfg.preferences.reward_function] if cfg.preferences.reward_function else []
+
+
+def _reward_functions(name: str) -> Callable:
+    return lambda cfg: [r.function for r in cfg.stage(name).reward_specs() if r.function]
+
+
+def _prompts_data(cfg) -> dict[str, str]:
+    """The user's prompts file(s), read by every stage that samples, scores or measures on prompts."""
+    return {k: "prompts" for k in ("prompts_path", "eval_prompts_path") if getattr(cfg.data, k)}
 
 
 def _eval_inputs(cfg) -> list[str]:
@@ -86,7 +96,7 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               data_files=_sft_data),
     StageSpec("preferences", "inference", lambda cfg: [] if cfg.preferences.policy == "base" else ["sft"],
               ("pairs", "eval_pairs", "samples"), optional_outputs=("contrast_pairs",),  # contrast_samples > 0
-              functions=_function("preferences")),
+              functions=_judge_function, data_files=_prompts_data),
     StageSpec("reward_model", "trainer",
               lambda cfg: [*(["sft"] if cfg.reward_model.init_from == "sft" else []), *_pairs(cfg)], POLICY,
               usual_lr=(1e-6, 1e-4), data_files=_pairs_data),  # InstructGPT RM 9e-6; TRL reward example 1e-5 .. 1e-4
@@ -94,20 +104,22 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("ref_logprobs", "inference", lambda cfg: [*_sft(cfg), *_pairs(cfg)], ("ref_logps", "cache_entry"),
               root_outputs=("cache_entry",), data_files=_pairs_data),
     StageSpec("dpo", "trainer", lambda cfg: [*_sft(cfg), *_pairs(cfg), "ref_logprobs"], POLICY,
-              usual_lr=(1e-7, 5e-5), data_files=_pairs_data),  # Rafailov et al. 2023: 1e-6; Zephyr 5e-7
+              usual_lr=(1e-7, 5e-5),  # Rafailov et al. 2023: 1e-6; Zephyr 5e-7
+              data_files=lambda cfg: {**_pairs_data(cfg), **_prompts_data(cfg)}),  # prompts: held-out accuracy, later rounds
     # KTO keeps its own reference cache (stages/kto.py says why)
     StageSpec("kto", "trainer", lambda cfg: [*_sft(cfg), *_pairs(cfg)], (*POLICY, "ref_logps", "cache_entry"),
               root_outputs=("cache_entry",), usual_lr=(1e-7, 5e-5),  # Ethayarajh et al. 2024: 5e-7 .. 5e-6
               data_files=_kto_data),
     # the RL loop samples with the rollout settings: that section is part of their keys
     StageSpec("ppo", "rl", _rl_inputs("ppo"), (*POLICY, "experience"), shared=("rollout",),
-              usual_lr=(1e-7, 2e-5), functions=_function("ppo")),  # Ouyang et al. 2022: 9.65e-6 (1.3B)
+              usual_lr=(1e-7, 2e-5), functions=_reward_functions("ppo"), data_files=_prompts_data),  # Ouyang et al. 2022: 9.65e-6 (1.3B)
     StageSpec("grpo", "rl", _rl_inputs("grpo"), (*POLICY, "experience"), shared=("rollout",),
-              usual_lr=(1e-7, 2e-5), functions=_function("grpo")),  # DeepSeekMath: 1e-6
+              usual_lr=(1e-7, 2e-5), functions=_reward_functions("grpo"), data_files=_prompts_data),  # DeepSeekMath: 1e-6
     StageSpec("rollout", "inference", lambda cfg: [] if cfg.rollout.policy == "base" else [cfg.rollout.policy],
-              ("rollouts",)),
+              ("rollouts",), data_files=_prompts_data),
     StageSpec("eval", "inference", _eval_inputs,
-              ("samples", "battles", "ratings", "metrics", "accuracy_diffs", "run", "leaderboard", "chart")),
+              ("samples", "battles", "ratings", "metrics", "accuracy_diffs", "run", "leaderboard", "chart"),
+              data_files=_prompts_data),
 )}
 NAMES = tuple(SPECS)  # DAG order: every stage's inputs come before it
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from trl.data_utils import extract_prompt
 
 from rlhf.core.config import DataConfig
-from rlhf.data.tasks import Task
+from rlhf.data.sources import make_task
 from rlhf.data.userdata import load_rows
 
 _MESSAGES = pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
@@ -111,7 +111,7 @@ def demonstrations(data: DataConfig, log: logging.Logger) -> tuple[list[dict], i
         for message in dropped:
             log.warning("dropped %s", message)
         return rows, len(dropped)
-    return Task(data).sft_rows(), 0
+    return make_task(data).sft_rows(), 0
 
 
 def preference_pairs(data: DataConfig, log: logging.Logger, keep_margin: bool = False) -> tuple[list[dict], int]:
@@ -122,7 +122,7 @@ def preference_pairs(data: DataConfig, log: logging.Logger, keep_margin: bool = 
             log.warning("dropped %s", message)
         rows = [{**row, "pair_id": f"row-{n}"} for n, row in rows]
     else:
-        task = Task(data)
+        task = make_task(data)
         rows, dropped = [{**row, "pair_id": p.id} for row, p in zip(task.preference_rows(), task.train)], []
     if not keep_margin:
         rows = [{k: v for k, v in r.items() if k != "margin"} for r in rows]

@@ -1,15 +1,17 @@
-"""The embedded default task: verifiable problems from reasoning-gym.
+"""Where prompts come from: the embedded default task (verifiable problems from reasoning-gym), or a
+prompts file of the user's (rlhf/data/prompts.py); `make_task` picks by the config. Both give the same
+small interface: train, eval and RL problems, a score against the gold answer, SFT demonstrations.
 
-From one `data` config it yields deterministic, disjoint train/eval problems with gold answers, a
-verifier reward, SFT demonstrations and preference pairs. Prompts are conversational (a single user
-turn) so the chat template applies, as TRL's conversational formats expect.
+From one `data` config the reasoning-gym task yields deterministic, disjoint train/eval problems with
+gold answers, a verifier reward, SFT demonstrations and preference pairs. Prompts are conversational (a
+single user turn) so the chat template applies, as TRL's conversational formats expect.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from functools import cached_property
 
@@ -21,14 +23,22 @@ _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 @dataclass(frozen=True)
 class Problem:
     id: str  # "<split>-<index>"
-    question: str
-    answer: str
-    entry: dict  # reasoning-gym's full entry, needed by its score_answer
+    question: str  # the user's text (of a conversational prompt: its last user turn), as tables show it
+    answer: str | None  # the gold answer; None for an open-ended prompt
+    entry: dict  # reasoning-gym's full entry (its score_answer needs it); empty for a prompts file's row
     system: str | None = None  # the system turn (data.system_prompt); None: the chat template's default
+    turns: tuple = ()  # a prompts file's conversational prompt, as given
+    extra: dict = field(default_factory=dict)  # the row's columns besides the prompt (a task problem: its answer)
 
     def messages(self) -> list[dict]:
-        """The prompt as a conversation: the system turn when one is set, then the question."""
+        """The prompt as a conversation: a file's own turns, or the system turn when one is set, then the question."""
+        if self.turns:
+            return [dict(t) for t in self.turns]
         return ([{"role": "system", "content": self.system}] if self.system is not None else []) + [user(self.question)]
+
+    def columns(self) -> dict:
+        """The row's columns besides the prompt, by name, as reward functions receive them (TRL's **kwargs)."""
+        return dict(self.extra)
 
 
 def last_number(text: str) -> str | None:
@@ -40,6 +50,7 @@ def last_number(text: str) -> str | None:
 @dataclass(frozen=True)
 class Task:
     cfg: DataConfig
+    open_ended = False  # every problem has a gold answer
 
     @property
     def name(self) -> str:
@@ -55,11 +66,11 @@ class Task:
         # Train and eval come from different seeds; eval drops any question that also appears in
         # train so the held-out score never rewards memorisation.
         train_ds = self._generate(self.cfg.seed, self.cfg.train_size)
-        train = [Problem(f"train-{i}", e["question"], str(e["answer"]), e, self.cfg.system_prompt) for i, e in enumerate(train_ds)]
+        train = [self._problem(f"train-{i}", e) for i, e in enumerate(train_ds)]
         seen = {p.question for p in train}
         eval_ds = self._generate(self.cfg.seed + 1_000_003, self.cfg.eval_size * 2)
         held_out = [e for e in eval_ds if e["question"] not in seen][: self.cfg.eval_size]
-        evals = [Problem(f"eval-{i}", e["question"], str(e["answer"]), e, self.cfg.system_prompt) for i, e in enumerate(held_out)]
+        evals = [self._problem(f"eval-{i}", e) for i, e in enumerate(held_out)]
         return train, evals
 
     @cached_property
@@ -74,7 +85,10 @@ class Task:
             if e["question"] not in seen:
                 seen.add(e["question"])
                 fresh.append(e)
-        return [Problem(f"rl-{i}", e["question"], str(e["answer"]), e, self.cfg.system_prompt) for i, e in enumerate(fresh[: self.cfg.rl_size])]
+        return [self._problem(f"rl-{i}", e) for i, e in enumerate(fresh[: self.cfg.rl_size])]
+
+    def _problem(self, pid: str, e: dict) -> Problem:
+        return Problem(pid, e["question"], str(e["answer"]), e, self.cfg.system_prompt, extra={"answer": str(e["answer"])})
 
     @property
     def train(self) -> list[Problem]:

@@ -5,6 +5,10 @@ Formats (https://huggingface.co/docs/trl/dataset_formats), plain strings or conv
   sft:   {prompt, completion} or {messages}
   prefs: {prompt, chosen, rejected} or implicit-prompt {chosen, rejected}
   unpaired: {prompt, completion, label} with label true (desirable) or false (KTO's unpaired format)
+  prompts: {prompt, ...any other columns} (the RL stages', preferences', rollouts' and eval's prompts; a
+           conversational prompt ends with the user's turn)
+A saved Hugging Face dataset folder (`save_to_disk`) reads too. Message roles are system, user and
+assistant (the roles chat templates render; any other would be rendered verbatim as a turn).
 Errors name the file, the 1-based line (JSONL) or row (Parquet / hub), and the column.
 """
 
@@ -14,12 +18,14 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-Kind = Literal["sft", "prefs", "unpaired"]
+Kind = Literal["sft", "prefs", "unpaired", "prompts"]
 COLUMNS: dict[str, list[tuple[str, ...]]] = {
     "sft": [("prompt", "completion"), ("messages",)],
     "prefs": [("prompt", "chosen", "rejected"), ("chosen", "rejected")],
     "unpaired": [("prompt", "completion", "label")],
+    "prompts": [("prompt",)],
 }
+ROLES = ("system", "user", "assistant")
 FLAGS = {"label"}  # boolean columns; every other column holds text
 
 
@@ -66,8 +72,12 @@ def _read_rows(source: str) -> tuple[list[Any], str]:
             return pq.read_table(path).to_pylist(), "row"
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{source}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
-    import datasets  # a hub dataset name; needs network, which the default profile never does
+    import datasets
 
+    if path.is_dir():  # saved with save_to_disk: a Dataset, or a DatasetDict whose "train" split we read
+        loaded = datasets.load_from_disk(source)
+        return list(loaded["train"] if isinstance(loaded, datasets.DatasetDict) else loaded), "row"
+    # a hub dataset name; needs network, which the default profile never does
     return list(datasets.load_dataset(source, split="train")), "row"
 
 
@@ -81,6 +91,8 @@ def _text_problem(value: Any, column: str) -> str | None:
         for i, msg in enumerate(value):
             if not isinstance(msg, dict) or not {"role", "content"} <= msg.keys():
                 return f"{column!r} message {i} needs 'role' and 'content'"
+            if msg["role"] not in ROLES:
+                return f"{column!r} message {i} has role {str(msg['role'])[:40]!r}; roles are {', '.join(ROLES)}"
             if not isinstance(msg["content"], str):
                 return f"{column!r} message {i} content must be a string, got {type(msg['content']).__name__}"
             if not msg["content"].strip():
@@ -91,7 +103,16 @@ def _text_problem(value: Any, column: str) -> str | None:
     return f"{column!r} must be a string or a list of messages, got {type(value).__name__}"
 
 
-def row_problem(row: Any, kind: Kind) -> str | None:
+def _value_problem(value: Any, column: str) -> str | None:
+    """A gold answer or a completion column: non-empty text, or a number."""
+    if isinstance(value, str):
+        return None if value.strip() else f"{column!r} is empty"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None
+    return f"{column!r} must be text or a number, got {type(value).__name__}"
+
+
+def row_problem(row: Any, kind: Kind, required: tuple[str, ...] = ()) -> str | None:
     if isinstance(row, BadLine):
         return row.problem
     if not isinstance(row, dict):
@@ -117,6 +138,13 @@ def row_problem(row: Any, kind: Kind) -> str | None:
             return problem
     if kind == "prefs" and row["chosen"] == row["rejected"]:
         return "'chosen' and 'rejected' are identical"
+    if kind == "prompts" and isinstance(row["prompt"], list) and row["prompt"][-1]["role"] != "user":
+        return f"'prompt' must end with the user's turn (the answer follows it), got {row['prompt'][-1]['role']!r}"
+    for col in required:
+        if col not in row:
+            return f"no {col!r} column (columns: {', '.join(sorted(row))})"
+        if problem := _value_problem(row[col], col):
+            return problem
     return None
 
 
@@ -129,15 +157,17 @@ def shape(row: dict, kind: Kind) -> tuple:
 
 
 def load_rows(
-    source: str, kind: Kind, on_bad_row: Literal["fail", "drop"] = "fail", keep_index: bool = False
+    source: str, kind: Kind, on_bad_row: Literal["fail", "drop"] = "fail", keep_index: bool = False,
+    required: tuple[str, ...] = (),
 ) -> tuple[list, list[str]]:
     """Validated rows plus the list of dropped-row messages (empty unless on_bad_row='drop').
-    With keep_index, rows come as (1-based row number, row) pairs."""
+    With keep_index, rows come as (1-based row number, row) pairs. `required`: further columns every row
+    must hold (text or a number), e.g. the gold answers the verifier reads."""
     rows, unit = _read_rows(source)
     good, dropped = [], []
     for n, row in enumerate(rows, start=1):
-        problem = row_problem(row, kind)
-        if problem is None and good:
+        problem = row_problem(row, kind, required)
+        if problem is None and good and kind != "prompts":  # each prompt is rendered on its own, never one table
             first = shape(good[0][1] if keep_index else good[0], kind)
             if shape(row, kind) != first:
                 problem = f"row layout {shape(row, kind)} differs from the first valid row's {first}"

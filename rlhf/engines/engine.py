@@ -6,7 +6,7 @@ the same `Engine` protocol; callers never see which one runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -31,6 +31,7 @@ class Generation:
     logprobs: list[float]  # log-prob of each generated token under the sampler's distribution
     text: str
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens reached)
+    rewards: dict[str, float] = field(default_factory=dict)  # the RL loop's reward terms for this sample, by name
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from rlhf.engines.engine import HFEngine, SamplingParams
-from rlhf.data.tasks import Problem, Task
+from rlhf.data.tasks import Problem
+from rlhf.data.sources import PromptSource
 
 
-def verifier_accuracy(model, tokenizer, task: Task, problems: list[Problem], max_new_tokens: int, batch_size: int = 16) -> float:
+def verifier_accuracy(model, tokenizer, task: PromptSource, problems: list[Problem], max_new_tokens: int, batch_size: int = 16) -> float:
     """Share of problems whose greedy completion the task's verifier scores as fully correct."""
     if not problems:
         return float("nan")

@@ -81,12 +81,17 @@ def ledger_table(store: ArtifactStore) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=LEDGER_SCHEMA)
 
 
+def eval_tables(store: ArtifactStore, runs: list[str], table: str) -> pads.Dataset:
+    """One eval table of these runs in the current schema: files from older versions read the columns they
+    lack as nulls (what union_by_name did)."""
+    files = [store.stage_path(run, "eval", f"{table}.parquet") for run in runs]
+    return pads.dataset(files, schema=SCHEMAS[table], format="parquet", filesystem=store.fs)
+
+
 def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
     con = duckdb.connect(config=LOCKED_DOWN)
     for view, table in VIEWS.items():
-        files = [store.stage_path(run, "eval", f"{table}.parquet") for run in completed_runs(store, table)]
-        # The table's schema: older files missing a column read it as nulls (what union_by_name did).
-        con.register(view, pads.dataset(files, schema=SCHEMAS[table], format="parquet", filesystem=store.fs))
+        con.register(view, eval_tables(store, completed_runs(store, table), table))
     con.register("ledger", ledger_table(store))
     return con
 

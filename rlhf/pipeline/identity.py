@@ -24,7 +24,7 @@ from rlhf.core.registry import SPECS
 # where a stage runs: not part of its key
 PLACEMENT = {"work_pool": True, "job_variables": True, "enabled": True,
              "launch": {"backend": True, "ray": True, "nnodes": True, "rendezvous": True}}
-DATA_FILES = ("sft_path", "prefs_path", "unpaired_path")  # data keys that name a file or a hub dataset
+DATA_FILES = ("sft_path", "prefs_path", "unpaired_path", "prompts_path", "eval_prompts_path")  # a file or a hub dataset
 
 
 def module_file(stage: str) -> str:

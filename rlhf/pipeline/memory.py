@@ -141,7 +141,7 @@ def stage_estimates(cfg: PipelineConfig) -> dict[str, dict[str, float]] | None:
             # the frozen reference (none with LoRA: the base with adapters off; none without a KL term, as
             # the loop loads it only then) and the reward model
             kl_term = (st.beta if stage == "grpo" else st.kl.beta) > 0 or (stage == "ppo" and st.kl.mode == "adaptive")
-            frozen = (0 if lora or not kl_term else 1) + (1 if st.reward_source in ("reward_model", "sum") else 0)
+            frozen = (0 if lora or not kl_term else 1) + (1 if st.uses_reward_model() else 0)
             if stage == "ppo":  # the critic: a second trained backbone
                 critic = trained_model_bytes(s, w, st.optim, None, mixed)
                 terms["weights"] += critic["weights"]

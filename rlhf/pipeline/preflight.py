@@ -76,7 +76,7 @@ def risky_settings(cfg: PipelineConfig) -> list[str]:
         if not st.enabled:
             continue
         beta = st.kl.beta if name == "ppo" else st.beta
-        if st.reward_source in ("reward_model", "sum") and beta == 0:
+        if st.uses_reward_model() and beta == 0:
             warnings.append(f"{name}: KL beta 0 with a learned reward model: nothing holds the policy near the "
                             "reference, so it can exploit the reward model (reward hacking)")
         if cfg.rollout.temperature == 0:
@@ -121,17 +121,72 @@ def report(cfg: PipelineConfig, store) -> list[str]:
 
 def check_data(cfg: PipelineConfig) -> list[str]:
     """Validates every local user data file an enabled stage will read (the registry's data_files), row by
-    row, before any model is loaded: a bad row raises DataError naming the file, line and column
-    (data.on_bad_row: fail), or is counted (drop). Returns one summary line per file. Hub dataset names are
-    checked by their stage."""
-    from rlhf.data.userdata import load_rows
+    row, and every reward function it calls, before any model is loaded: a bad row raises DataError naming
+    the file, line and column (data.on_bad_row: fail), or is counted (drop). Returns one summary line per
+    file, where the prompts come from, and the reward terms of the RL stages. Hub dataset names are checked
+    by their stage."""
+    from rlhf.data.userdata import DataError, load_rows
 
     files = {key: kind for stage in plan(cfg) for key, kind in SPECS[stage].data_files(cfg).items()}
     lines = []
     for key, kind in files.items():
         source = getattr(cfg.data, key)
-        if not source.endswith((".jsonl", ".json", ".parquet")):
+        if kind == "prompts" or not source.endswith((".jsonl", ".json", ".parquet")):
             continue
         rows, dropped = load_rows(source, kind, cfg.data.on_bad_row)
+        if kind == "prefs" and "prompt" not in rows[0] and "reward_model" in plan(cfg) and cfg.reward_model.kind == "implicit":
+            raise DataError(f"{source}: reward_model.kind: implicit scores an answer by its likelihood after the prompt, "
+                            "and these pairs have none ({chosen, rejected}, the prompt inside each answer): give each "
+                            "row a 'prompt', or use reward_model.kind: classifier")
         lines.append(f"data.{key}: {len(rows)} usable rows" + (f", {len(dropped)} dropped" if dropped else ""))
+    if "prompts" in files.values() or any(SPECS[s].kind == "rl" for s in plan(cfg)) or "eval" in plan(cfg):
+        lines.append(prompts_line(cfg))
+    return lines + reward_lines(cfg)
+
+
+def prompts_line(cfg: PipelineConfig) -> str:
+    """Where the prompts come from, read (and checked row by row) the way the stages will read them."""
+    from rlhf.data.sources import make_task
+
+    task = make_task(cfg.data)
+    n = f"{len(task.train)} training and {len(task.eval)} held-out prompts"
+    if not cfg.data.prompts_path:
+        return f"prompts: {cfg.data.task} (generated, data.seed {cfg.data.seed}): {n}, checked by reasoning-gym's verifier"
+    split = cfg.data.eval_prompts_path or f"a split of data.eval_fraction {cfg.data.eval_fraction} by data.seed"
+    how = ("open-ended (no answers): judged by the reward model" if task.open_ended else
+           f"answers in {cfg.data.answer_column!r}, checked by {cfg.data.verifier}")
+    dropped = f", {task.dropped} rows dropped" if task.dropped else ""
+    return f"prompts: {cfg.data.prompts_path}: {n} (held out: {split}){dropped}; {how}"
+
+
+def reward_lines(cfg: PipelineConfig) -> list[str]:
+    """The reward terms of each enabled RL stage, each checked: a user function imports and, called on two
+    real prompts, returns one finite number per completion; a math_verify column is in every prompt row."""
+    from rlhf.data.sources import make_task
+    from rlhf.data.userdata import DataError
+    from rlhf.train.rewards import function_scores, import_reward_function
+
+    lines, task = [], None
+    for name in [s for s in plan(cfg) if SPECS[s].kind == "rl"]:
+        specs = cfg.stage(name).reward_specs()
+        terms = []
+        for spec in specs:
+            task = task or make_task(cfg.data)
+            probe = task.train[:2]
+            if spec.kind == "math_verify" and (missing := [p.id for p in task.train + task.eval
+                                                            if p.columns().get(spec.column) is None]):
+                raise DataError(f"{name}.rewards: math_verify reads column {spec.column!r}, which prompt {missing[0]} "
+                                f"lacks (its columns: {', '.join(sorted(task.train[0].columns())) or 'none'})")
+            if spec.kind == "function":
+                try:
+                    fn = import_reward_function(spec.function)
+                    function_scores(fn, probe, [p.answer or "" for p in probe], [[] for _ in probe], spec.function)
+                except ValueError as e:
+                    raise DataError(f"{name}: {e}") from None
+                except Exception as e:  # the user's code failing on real prompts: name it, not a traceback
+                    raise DataError(f"{name}: reward function {spec.function}: a probe call on the first "
+                                    f"{len(probe)} prompts raised {type(e).__name__}: {str(e)[:300]}") from None
+            what = {"math_verify": f"math_verify({spec.column})", "function": f"function({spec.function})"}.get(spec.kind, spec.kind)
+            terms.append(f"{spec.weight:g} x {what}")
+        lines.append(f"{name} reward: " + " + ".join(terms))
     return lines

@@ -27,7 +27,8 @@ import torch
 from rlhf.core.config import DPOConfig
 from rlhf.core.store import CHECKPOINTS
 from rlhf.data.pairs import PAIRS_SCHEMA, training_rows
-from rlhf.data.tasks import Problem, Task
+from rlhf.data.tasks import Problem
+from rlhf.data.sources import PromptSource, make_task
 from rlhf.engines.engine import HFEngine
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.train.onpolicy import make_judge, pair_rows, sample_and_judge
@@ -38,7 +39,7 @@ ROUNDS = "rounds"
 ROUND_FIELDS = ("pairs", "ties", "score_mean", "steps", "accuracy")  # reported as dpo/round_<r>/<field>
 
 
-def round_problems(task: Task, n: int, rl_size: int, r: int) -> list[Problem]:
+def round_problems(task: PromptSource, n: int, rl_size: int, r: int) -> list[Problem]:
     """Round r's n prompts (r >= 2): the (r-1)-th slice of the fresh RL draw, or the training prompts again."""
     return task.rl[(r - 2) * n:(r - 1) * n] if rl_size else task.train[:n]
 
@@ -87,7 +88,7 @@ def round_data(cfg: DPOConfig, ctx, model, tokenizer, r: int) -> tuple[list[dict
     ctx.store.remove(ctx.path(CHECKPOINTS))  # round r-1's: this round's trainer starts fresh
 
     pcfg, prefs = ctx.cfg, ctx.cfg.preferences
-    task = Task(pcfg.data)
+    task = make_task(pcfg.data)
     problems = round_problems(task, pcfg.preference_prompts(), pcfg.data.rl_size, r)
     judge, judge_name = make_judge(prefs, task, pcfg.model.dtype)
     t0 = time.perf_counter()

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 from rlhf.core.config import PreferencesConfig
 from rlhf.data.pairs import build_pairs, contrast_pairs
-from rlhf.data.tasks import Problem, Task, assistant
+from rlhf.data.tasks import Problem, assistant
+from rlhf.data.sources import PromptSource
 from rlhf.engines.engine import SamplingParams
 from rlhf.train.rewards import function_scores, import_reward_function, load_reward_model, reward_model_scores
 
 
-def make_judge(cfg: PreferencesConfig, task: Task, dtype: str):
+def make_judge(cfg: PreferencesConfig, task: PromptSource, dtype: str):
     """judge(problems, texts, token_ids) -> scores; and its name for the provenance column."""
     if cfg.judge == "function":
         fn = import_reward_function(cfg.reward_function)
-        return (lambda problems, texts, ids: function_scores(fn, problems, texts, ids)), f"function:{cfg.reward_function}"
+        return (lambda problems, texts, ids: function_scores(fn, problems, texts, ids, cfg.reward_function)), f"function:{cfg.reward_function}"
     if cfg.judge == "reward_model":
         rm, tok = load_reward_model(cfg.reward_model_path, dtype)
 

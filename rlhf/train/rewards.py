@@ -4,6 +4,7 @@ with TRL's reward-function signature (prompts, completions, **columns) -> list[f
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 
 import torch
@@ -89,11 +90,69 @@ def import_reward_function(spec: str) -> Callable:
 
 
 
-def function_scores(fn: Callable, problems, texts: list[str], completion_ids: list[list[int]]) -> list[float]:
-    """A user reward function called with TRL's columns for task problems: one float per completion."""
-    out = fn(prompts=[p.question for p in problems], completions=texts, completion_ids=completion_ids,
-             answer=[p.answer for p in problems])
-    return [float(x) for x in out]
+class RewardFunctionError(ValueError):
+    """A user reward function that returned something other than one finite number per completion."""
+
+
+def trl_prompts(problems) -> list:
+    """The prompts as TRL's reward functions receive them: the text, or a conversational prompt's messages."""
+    return [p.messages() if p.turns else p.question for p in problems]
+
+
+def function_scores(fn: Callable, problems, texts: list[str], completion_ids: list[list[int]], name: str = "") -> list[float]:
+    """A user reward function called with TRL's signature: prompts, completions, completion_ids, and every
+    other column of the prompt rows by name (as lists aligned with the completions). Its answer must be
+    one finite number per completion."""
+    columns: dict[str, list] = {}
+    for i, p in enumerate(problems):
+        for k, v in p.columns().items():
+            columns.setdefault(k, [None] * len(problems))[i] = v
+    out = fn(prompts=trl_prompts(problems), completions=texts, completion_ids=completion_ids, **columns)
+    what = f"reward function {name or getattr(fn, '__name__', fn)}"
+    try:
+        values = [float(x) for x in out]
+    except (TypeError, ValueError):
+        raise RewardFunctionError(f"{what}: must return a list of numbers, one per completion; got "
+                                  f"{type(out).__name__}") from None
+    if len(values) != len(texts):
+        raise RewardFunctionError(f"{what}: returned {len(values)} values for {len(texts)} completions")
+    if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
+        raise RewardFunctionError(f"{what}: returned {values[bad[0]]} for completion {bad[0]}: rewards must be finite")
+    return values
+
+
+def reward_terms(specs, task, rm_scores) -> list[tuple[str, float, Callable]]:
+    """(name, weight, score(problems, texts, ids) -> one value per completion) of each reward term
+    (rlhf/core/config.py RewardSpec); rm_scores scores conversations with the trained reward model."""
+    from rlhf.data.tasks import assistant
+    from rlhf.data.verifiers import math_verify
+
+    def column(problems, name: str) -> list[str]:
+        missing = [p.id for p in problems if p.columns().get(name) is None]
+        if missing:
+            raise ValueError(f"reward math_verify: prompt {missing[0]} has no {name!r} column")
+        return [str(p.columns()[name]) for p in problems]
+
+    terms = []
+    for spec in specs:
+        if spec.kind == "verifier":
+            score = lambda problems, texts, ids: [task.score(t, p) for p, t in zip(problems, texts)]  # noqa: E731
+        elif spec.kind == "math_verify":
+            score = lambda problems, texts, ids, c=spec.column: [math_verify(a, t) for a, t in zip(column(problems, c), texts)]  # noqa: E731
+        elif spec.kind == "reward_model":
+            score = lambda problems, texts, ids: rm_scores([p.messages() + [assistant(t)] for p, t in zip(problems, texts)])  # noqa: E731
+        else:
+            fn = import_reward_function(spec.function)
+            score = lambda problems, texts, ids, fn=fn, f=spec.function: function_scores(fn, problems, texts, ids, f)  # noqa: E731
+        terms.append((spec.label(), spec.weight, score))
+    return terms
+
+
+def weighted_rewards(terms, problems, texts: list[str], ids: list[list[int]]) -> tuple[list[float], dict[str, list[float]]]:
+    """The reward of each completion, sum_k weight_k x term_k (TRL's reward_weights), and each term's values."""
+    parts = {name: score(problems, texts, ids) for name, _, score in terms}
+    total = [sum(w * parts[name][i] for name, w, _ in terms) for i in range(len(texts))]
+    return total, parts
 
 
 def low_vocab_share(prompts, completions, completion_ids, **kwargs) -> list[float]:

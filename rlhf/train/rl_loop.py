@@ -36,9 +36,10 @@ from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import sequence_logps
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
-from rlhf.train.rewards import function_scores, import_reward_function, load_reward_model, reward_model_scores
+from rlhf.train.rewards import load_reward_model, reward_model_scores, reward_terms, weighted_rewards
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.tasks import Task, assistant
+from rlhf.data.tasks import assistant
+from rlhf.data.sources import PromptSource, make_task
 from rlhf.train.training import (
     CRASH_ENV,
     METRICS_SCHEMA,
@@ -62,7 +63,8 @@ EXPERIENCE_SCHEMA = pa.schema([
     pa.field("logp_rollout", pa.list_(pa.float32())),
     pa.field("logp_old", pa.list_(pa.float32())),
     pa.field("logp_ref", pa.list_(pa.float32())),  # null when no reference model is used (beta 0)
-    pa.field("reward", pa.float64()),
+    pa.field("reward", pa.float64()),  # the weighted sum of the terms below
+    pa.field("rewards", pa.map_(pa.string(), pa.float64())),  # each reward term's value, by name
     pa.field("advantage", pa.float64()),  # mean over the response tokens
     pa.field("finish_reason", pa.string()),
 ])
@@ -235,22 +237,14 @@ def stage_reward_model(ctx: StageContext):
     return model.to(ctx_device()), tokenizer
 
 
-def make_reward(cfg, task: Task, scorers):
-    """Returns reward(problems, gens) -> [B] tensor, for the configured source; the reward model scores
-    through `scorers` (in this process, or in their own Ray actor)."""
-    rm_scores = scorers.rm_scores if "reward_model" in cfg.frozen_models() else None
-    fn = import_reward_function(cfg.reward_function) if cfg.reward_source == "function" else None
+def make_reward(cfg, task: PromptSource, scorers):
+    """Returns reward(problems, gens) -> ([B] weighted reward, {term: [B] values}) for the configured terms
+    (cfg.reward_specs()); the reward model scores through `scorers` (in this process, or in their own Ray actor)."""
+    terms = reward_terms(cfg.reward_specs(), task, scorers.rm_scores if cfg.uses_reward_model() else None)
 
-    def reward(problems, gens) -> torch.Tensor:
-        texts = [g.text for g in gens]
-        if fn is not None:
-            return torch.tensor(function_scores(fn, problems, texts, [g.token_ids for g in gens]))
-        total = torch.zeros(len(gens))
-        if cfg.reward_source in ("verifier", "sum"):
-            total += torch.tensor([task.score(t, p) for t, p in zip(texts, problems)])
-        if rm_scores is not None:
-            total += torch.tensor(rm_scores([p.messages() + [assistant(t)] for t, p in zip(texts, problems)]))
-        return total
+    def reward(problems, gens) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        total, parts = weighted_rewards(terms, problems, [g.text for g in gens], [g.token_ids for g in gens])
+        return torch.tensor(total), parts
 
     return reward
 
@@ -355,7 +349,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         ctx.log.info("%s: resuming after iteration %d", algo, state["iteration"])
     first = state["iteration"] + 1
 
-    task = Task(pcfg.data)
+    task = make_task(pcfg.data)
     reward = make_reward(cfg, task, scorers)
     engine = make_engine(ctx, policy, tok, init, resume is not None, task)
     n_samples = cfg.samples_per_prompt()
@@ -369,6 +363,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             gens, scores = generate_and_score(engine, problems, params, reward)
         scores = scores.to(device)
         n_sampled, reward_sampled = len(gens), scores.mean().item()
+        term_means = {f"reward/{k}": sum(g.rewards[k] for g in gens) / len(gens) for k in gens[0].rewards}
         if getattr(cfg, "skip_uniform_groups", False):
             gens, scores = informative(gens, scores, cfg.group_size)
             problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
@@ -377,7 +372,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                 ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
                              algo, it, reward_sampled)
                 if dist.is_main():
-                    write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, "trained_fraction": 0.0,
+                    write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, **term_means, "trained_fraction": 0.0,
                                                       "kl_beta": state["beta"], "seconds": time.perf_counter() - t0})
                 end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
                 continue
@@ -411,7 +406,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         state["beta"] = spec.next_beta(cfg, state["beta"], kl_seq, len(gens))
         tokens = int(batch.mask.sum())
         seconds = time.perf_counter() - t0
-        metrics = {"reward_mean": reward_sampled, "reward_trained_mean": scores.mean().item(),
+        metrics = {"reward_mean": reward_sampled, **term_means, "reward_trained_mean": scores.mean().item(),
                    "trained_fraction": len(gens) / n_sampled,
                    "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
                    "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
@@ -482,7 +477,7 @@ class SyncedVLLM:
         self.ctx, self.roll = ctx, ctx.cfg.rollout
         self.folder = ctx.workdir / "engine-weights"
         # probe: a fixed prompt and its gold answer
-        self.probe = chat_ids(tok, problem.messages() + [assistant(problem.answer)], generation_prompt=False)
+        self.probe = chat_ids(tok, problem.messages() + [assistant(problem.answer or "OK")], generation_prompt=False)
         self.engine = make_vllm(self.roll, init, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed)
         if stale:  # resumed: the engine started from `init`, the policy from a checkpoint
             self.sync(policy)
@@ -503,7 +498,7 @@ class SyncedVLLM:
         self.engine.close()
 
 
-def make_engine(ctx, policy, tok, init: str, resumed: bool, task: Task, local: bool = False) -> Engine:
+def make_engine(ctx, policy, tok, init: str, resumed: bool, task: PromptSource, local: bool = False) -> Engine:
     """The configured engine over `policy`; with `launch.ray.engine: own` (not `local`) the engine actor the
     Ray launcher started for this stage."""
     if not local and (handle := dist.engine_actor()) is not None:
@@ -520,7 +515,7 @@ def engine_host(cfg, ctx: StageContext):
     init = start_model(ctx, cfg.init_from)
     tok = load_tokenizer(init)
     policy = load_policy(cfg, init, None, ctx.cfg.model, ctx.cfg.run.seed).to(ctx_device()).eval().requires_grad_(False)
-    task = Task(ctx.cfg.data)
+    task = make_task(ctx.cfg.data)
     return (make_engine(ctx, policy, tok, init, False, task, local=True), policy,
             lambda: autocast(ctx.cfg.model, ctx_device().type))
 
@@ -563,7 +558,11 @@ def generate_and_score(engine, problems, params: SamplingParams, reward) -> tupl
     its share of the engine's batches (the engine seeds each batch by its global index, so the union
     is the one-process output) and the shares are gathered: advantages always see whole groups."""
     mine = engine.generate([p.messages() for p in problems], params, shard=(dist.rank(), dist.world_size()))
-    mine_scores = reward([problems[g.prompt_index] for g in mine], mine).tolist() if mine else []
+    mine_scores = []
+    if mine:
+        total, parts = reward([problems[g.prompt_index] for g in mine], mine)
+        mine_scores = total.tolist()  # each sample carries its reward's terms (metrics, the experience table)
+        mine = [dataclasses.replace(g, rewards={k: v[i] for k, v in parts.items()}) for i, g in enumerate(mine)]
     pairs = sorted((pair for part in dist.all_gather(list(zip(mine, mine_scores))) for pair in part),
                    key=lambda pair: (pair[0].prompt_index, pair[0].sample_index))
     return [g for g, _ in pairs], torch.tensor([score for _, score in pairs])
@@ -647,7 +646,7 @@ def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -
     rows = [{
         "iteration": it, "prompt_id": probs[i].id, "sample_index": g.sample_index, "prompt": probs[i].question,
         "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "logp_old": tok_list(batch.logp_old, i),
-        "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]),
+        "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]), "rewards": list(g.rewards.items()),
         "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
     } for i, g in enumerate(gens)]
     ctx.store.write_table(ctx.path("experience", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(rows, schema=EXPERIENCE_SCHEMA), EXPERIENCE_SCHEMA)
@@ -669,7 +668,7 @@ def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
     first_it = {r["name"]: r["value"] for r in table.to_pylist() if r["step"] == 1}
     metrics = {f"{algo}/{k}": v for k, v in last.items()}
     metrics[f"{algo}/reward_mean_first"] = first_it.get("reward_mean", float("nan"))
-    held_out = task.eval[: cfg.eval_prompts]
+    held_out = [] if task.open_ended else task.eval[: cfg.eval_prompts]  # open-ended: nothing to verify
     if held_out:
         metrics[f"{algo}/accuracy"] = verifier_accuracy(policy, tok, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("%s: policy held-out accuracy %.3f", algo, metrics[f"{algo}/accuracy"])

@@ -328,10 +328,10 @@ class TrainerRun:
 def held_out_accuracy(ctx, model, tokenizer, opts) -> float | None:
     """Greedy verifier accuracy on the first opts.eval_prompts held-out prompts (logged); None when 0."""
     from rlhf.engines.generation import verifier_accuracy
-    from rlhf.data.tasks import Task
+    from rlhf.data.sources import make_task
 
-    task = Task(ctx.cfg.data)
-    held_out = task.eval[: opts.eval_prompts]
+    task = make_task(ctx.cfg.data)
+    held_out = [] if task.open_ended else task.eval[: opts.eval_prompts]  # open-ended: nothing to verify
     if not held_out:
         return None
     accuracy = verifier_accuracy(model, tokenizer, task, held_out, opts.eval_max_new_tokens)
