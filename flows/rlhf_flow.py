@@ -158,7 +158,8 @@ def rlhf(
     (the `rlhf/full` deployment) sends each stage to the work pool its config names."""
     overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
     cfg = load_config(config_path, profile, overrides)
-    if problems := preflight.network_problems(cfg):  # `rlhf run` asked already; a deployment run asks here
+    # `rlhf run` asked already; a deployment run asks here
+    if problems := preflight.network_problems(cfg) or preflight.policy_problems(cfg, ArtifactStore(cfg.storage)):
         raise ConfigError(config_path, problems)
     # Tasks get the resolved config (a small dict), not the file path: editing pipeline.yaml during a
     # run cannot change its later stages, and a worker elsewhere needs no copy of the file.

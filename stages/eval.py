@@ -20,13 +20,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from rlhf.core import progress
+from rlhf.core import codehash, fingerprint, progress
+from rlhf.core.config import policy_kind
 from rlhf.maths.bradley_terry import paired_accuracy_diff, rate
 from rlhf.maths.style_control import rate_length_controlled
 from rlhf.core.config import EvalConfig
 from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import load_causal_lm, load_tokenizer, model_identity, resolve_model
+from rlhf.engines import answers
 from rlhf.data.schemas import SCHEMAS
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
@@ -36,13 +38,48 @@ from rlhf.train.training import fetch_model
 
 
 def policy_path(ctx: StageContext, policy: str) -> str:
-    return resolve_model(ctx.cfg.model) if policy == "base" else fetch_model(ctx, policy)
+    """A folder or hub id that from_pretrained loads: the base model, any model:<id or folder>, or a stage's
+    `model/` (this run's, or '<run>/<stage>' another run's)."""
+    if policy == "base":
+        return resolve_model(ctx.cfg.model)
+    if policy_kind(policy) == "model":
+        return policy.removeprefix("model:")
+    return fetch_model(ctx, policy)
 
 
-def sample_policies(cfg: EvalConfig, ctx: StageContext, prompts: list[list[dict]]) -> dict[str, list]:
+def policy_identity(ctx: StageContext, policy: str) -> tuple[str, dict]:
+    """The policy's name across runs (the leaderboard's) and what identifies its weights: a stage's content
+    key, or a model's fingerprint."""
+    if policy == "base":
+        return f"base:{ctx.cfg.model.name}", {**model_identity(ctx.cfg.model), **fingerprint.model(ctx.cfg.model.name)}
+    if policy_kind(policy) == "model":
+        name = policy.removeprefix("model:")
+        return policy, {"name": name, "dtype": ctx.cfg.model.dtype, **fingerprint.model(name)}
+    label = policy if policy_kind(policy) == "run" else f"{ctx.cfg.run.name}/{policy}"
+    return label, {"key": ctx.inputs[policy]["key"]}
+
+
+def generation_code() -> dict[str, str]:
+    """The code answers depend on (the engine, the prompts and their verifier) with its numeric packages."""
+    files = codehash.closure(("rlhf/engines/engine.py", "rlhf/data/sources.py"))
+    return {"files": codehash.digests(files), "packages": fingerprint.packages(codehash.third_party(files))}
+
+
+def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple[dict[str, list], dict[str, str], dict]:
+    """Each policy's answers: from the store's answers cache when it holds them, else generated. Returns the
+    answers, the cache keys of those generated here (stored once scored), and the generated/reused counts."""
+    prompts = [p.messages() for p in problems]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.samples_per_prompt, cfg.seed)
-    out = {}
+    code, verifier = generation_code(), "none" if task.open_ended else (ctx.cfg.data.verifier if ctx.cfg.data.prompts_path
+                                                                       else ctx.cfg.data.task)
+    out, new, counts = {}, {}, {"generated": 0, "reused": 0}
     for k, policy in enumerate(cfg.policies):
+        key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier, code)
+        if (cached := answers.read(ctx.store, key)) is not None:
+            out[policy] = cached[0]
+            counts["reused"] += len(out[policy])
+            ctx.log.info("eval: %s: %d answers reused (%s)", policy, len(out[policy]), key[:12])
+            continue
         path = policy_path(ctx, policy)
         tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
 
@@ -51,8 +88,22 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, prompts: list[list[dict]
             progress.report(ctx.stage, k + done / total, len(cfg.policies))
 
         out[policy] = HFEngine(model, tok, cfg.batch_size).generate(prompts, params, on_batch=log)
+        new[policy] = key
+        counts["generated"] += len(out[policy])
         del model
-    return out
+    return out, new, counts
+
+
+def keep_answers(ctx: StageContext, cfg: EvalConfig, problems, gens: dict, scores, new: dict[str, str]) -> None:
+    """Writes the answers generated here into the store's cache, with their verifier scores."""
+    prompts = [p.messages() for p in problems]
+    for policy, key in new.items():
+        label = policy_identity(ctx, policy)[0]
+        values = [float(v) for v in scores[policy]] if scores else [None] * len(gens[policy])
+        answers.write(ctx.store, key, gens[policy], values, [p.id for p in problems], {
+            "policy": label, "run": ctx.cfg.run.name, "prompt_set": answers.prompt_set(prompts),
+            "params": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
+                       "n": cfg.samples_per_prompt, "seed": cfg.seed}, "verified": scores is not None})
 
 
 def distinct(keys: list) -> tuple[list[int], list[int]]:
@@ -127,7 +178,7 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
     problems = task.eval[: cfg.prompts]
     prompts = [p.messages() for p in problems]
     with torch.inference_mode():
-        gens = sample_policies(cfg, ctx, prompts)
+        gens, new, counts = sample_policies(cfg, ctx, task, problems)
         kl = log_ratio_to_reference(ctx, cfg, prompts, gens)
         rewards = rm_rewards(ctx, cfg, prompts, gens)
     ids = [(problems[g.prompt_index].id, g.sample_index) for g in gens[cfg.policies[0]]]
@@ -136,6 +187,7 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
         p: np.array([task.score(g.text, problems[g.prompt_index]) for g in gens[p]]) for p in cfg.policies}
     correct = {p: (s >= 1.0).astype(float) for p, s in scores.items()} if scores else None
     rm = {p: np.array(v) for p, v in rewards.items()} if rewards else None
+    keep_answers(ctx, cfg, problems, gens, scores, new)
 
     samples = [
         {"run": run_name, "policy": p, "prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index,
@@ -196,7 +248,9 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
     outputs["leaderboard"] = write_leaderboard(ctx, rating_rows)
     outputs["chart"] = write_chart(ctx, rating_rows)
     ctx.log.info("eval:\n%s", leaderboard_markdown(rating_rows))
-    return StageResult(outputs=outputs, rows={k: len(v) for k, v in tables.items()}, metrics=metrics)
+    metrics.update({f"eval/answers_{k}": float(v) for k, v in counts.items()})
+    return StageResult(outputs=outputs, rows={**{k: len(v) for k, v in tables.items()},
+                                              **{f"answers_{k}": v for k, v in counts.items()}}, metrics=metrics)
 
 
 def leaderboard_markdown(ratings: list[dict]) -> str:

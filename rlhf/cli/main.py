@@ -33,9 +33,10 @@ def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: b
 
         lines = []
         if preflight:
-            from rlhf.pipeline.preflight import check_data, network_problems
+            from rlhf.core.store import ArtifactStore
+            from rlhf.pipeline.preflight import check_data, network_problems, policy_problems
 
-            if problems := network_problems(cfg):
+            if problems := network_problems(cfg) or policy_problems(cfg, ArtifactStore(cfg.storage)):
                 raise ConfigError(str(config), problems)
             lines = check_data(cfg)
         return cfg, plan(cfg), lines
@@ -278,9 +279,7 @@ def query(
     fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
 ) -> None:
     """Query evaluation results of every run in the artifact store with DuckDB (read-only)."""
-    if fmt not in ("table", "csv", "json"):
-        typer.echo(f"--format: must be one of table, csv, json, got {fmt!r}", err=True)
-        raise typer.Exit(2)
+    _check_format(fmt)
     cfg, _, _ = _load_or_exit(config, profile, set_ or [])
     from rlhf.ops.results import QueryRefused
     from rlhf.ops.results import query as run_query
@@ -294,6 +293,17 @@ def query(
     except Exception as e:  # DuckDB parser/binder errors: show DuckDB's own message
         typer.echo(f"query failed: {e}", err=True)
         raise typer.Exit(1) from None
+    show(table, fmt)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in ("table", "csv", "json"):
+        typer.echo(f"--format: must be one of table, csv, json, got {fmt!r}", err=True)
+        raise typer.Exit(2)
+
+
+def show(table, fmt: str) -> None:
+    """A result table as text (aligned columns), CSV or JSON on stdout."""
     rows = table.to_pylist()
     if fmt == "json":
         typer.echo(json.dumps(rows, indent=2, default=str))
@@ -308,6 +318,32 @@ def query(
         typer.echo(buf.getvalue().rstrip())
     else:
         typer.echo(format_table(table.column_names, rows))
+
+
+@app.command()
+def leaderboard(
+    config: ConfigOpt = Path("pipeline.yaml"),
+    profile: ProfileOpt = "default",
+    set_: SetOpt = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
+    rounds: Annotated[int, typer.Option(min=10, max=100_000, help="bootstrap rounds for the intervals")] = 1000,
+) -> None:
+    """Rate every policy whose answers the store keeps, across runs and models, on each shared prompt set:
+    Elo with 95% intervals, length-controlled Elo, accuracy. Also written to the store for `rlhf query`
+    (the `leaderboard` view)."""
+    _check_format(fmt)
+    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    from rlhf.core.store import ArtifactStore, StorageError
+    from rlhf.ops.leaderboard import build
+
+    try:
+        table = build(ArtifactStore(cfg.storage), rounds)
+    except StorageError as e:
+        typer.echo(f"storage: {e}", err=True)
+        raise typer.Exit(2) from None
+    if table.num_rows == 0:
+        typer.echo("no prompt set with answers of two or more policies in the store yet: run an eval first", err=True)
+    show(table, fmt)
 
 
 @app.command()

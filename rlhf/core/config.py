@@ -778,10 +778,25 @@ class GRPOConfig(RLOptions):
         return self.beta > 0  # the k3 term in the loss
 
 
+POLICY_STAGES = ("sft", "dpo", "kto", "ppo", "grpo")
+
+
+def policy_kind(policy: str) -> str:
+    """'base', 'stage' (this run's), 'run' ('<run>/<stage>': another run's in the same store) or 'model'."""
+    if policy == "base":
+        return "base"
+    if policy.startswith("model:"):
+        return "model"
+    return "run" if "/" in policy else "stage"
+
+
 class EvalConfig(Placement):
     enabled: bool = False  # run the evaluation
-    # "base" is the configured model; the others are the `model/` outputs of those stages in this run.
-    policies: list[Literal["base", "sft", "dpo", "kto", "ppo", "grpo"]] = Field(default_factory=lambda: ["base", "sft"])
+    # base: the configured model; sft, dpo, kto, ppo, grpo: that stage's `model/` in this run; <run>/<stage>:
+    # another run's, from the same store (e.g. exp1/grpo); model:<hub id or local folder>: any model. Each
+    # policy's answers are kept per (weights, prompts, sampling settings) in the store and reused, so
+    # adding a policy generates only its own (`rlhf leaderboard` rates every policy kept there)
+    policies: list[str] = Field(default_factory=lambda: ["base", "sft"], max_length=64)
     anchor: str = "sft"  # rated 1000 on the Elo scale
     # who decides a battle: the task's verifier, the reward model, or both (separate ratings)
     judge: Literal["verifier", "reward_model", "both"] = "verifier"
@@ -794,6 +809,23 @@ class EvalConfig(Placement):
     max_new_tokens: int = Field(32, ge=1)  # answer budget in tokens
     batch_size: int = Field(32, ge=1)  # prompts per generate call
     seed: int = Field(0, ge=0, lt=2**32)  # sampling seed shared by every policy
+
+    @field_validator("policies")
+    @classmethod
+    def _policies(cls, v: list[str]) -> list[str]:
+        for p in v:
+            kind = policy_kind(p)
+            if kind == "stage" and p not in POLICY_STAGES:
+                raise ValueError(f"{p!r} is not a policy: base, {', '.join(POLICY_STAGES)}, <run>/<stage> (another "
+                                 "run's) or model:<hub id or local folder>")
+            if kind == "run":
+                run, _, stage = p.partition("/")
+                check_name("run", run)
+                if stage not in POLICY_STAGES:
+                    raise ValueError(f"{p!r}: {stage!r} is not a policy stage ({', '.join(POLICY_STAGES)})")
+            if kind == "model" and not re.fullmatch(r"model:[^\s\x00-\x1f]{1,300}", p):
+                raise ValueError(f"{p!r}: model:<hub id or local folder>, without spaces or control characters")
+        return v
 
     @model_validator(mode="after")
     def _anchor(self) -> EvalConfig:
@@ -876,7 +908,7 @@ class PipelineConfig(Strict):
             self._dpo_rounds()
         if self.eval.enabled:
             for policy in self.eval.policies:
-                if policy != "base" and not self.stage(policy).enabled:
+                if policy_kind(policy) == "stage" and not self.stage(policy).enabled:
                     raise ValueError(f"eval.policies: {policy!r} needs {policy}.enabled: true")
             if self.eval.judge != "verifier" and not self.reward_model.enabled:
                 raise ValueError(f"eval.judge: {self.eval.judge!r} needs reward_model.enabled: true")

@@ -230,6 +230,10 @@ def load_config(path: str | Path, profile: str = "default", overrides: list[str]
         if isinstance(sec, dict) and isinstance(sec.get(key), str):
             local = section == "storage" or _is_file_like(sec[key]) or (base / sec[key]).exists()
             sec[key] = _resolve_local(sec[key], base) if local else sec[key]
+    evaluated = raw.get("eval", {}).get("policies") if isinstance(raw.get("eval"), dict) else None
+    if isinstance(evaluated, list):  # model:<local folder> policies resolve against the config's folder too
+        raw["eval"]["policies"] = [f"model:{_resolve_local(p[6:], base)}" if isinstance(p, str) and p.startswith("model:")
+                                   and p[6:].startswith((".", "~", "file://")) else p for p in evaluated]
     cfg = validate(raw, str(path))
     problems = local_path_problems(cfg) + tracking.backend_problems(cfg.tracking) + cluster.launch_problems(cfg)
     if problems:

@@ -33,6 +33,9 @@ class StageSpec:
     data_files: Callable[[PipelineConfig], dict[str, str]] = lambda cfg: {}
     # the user functions ('module:function') it calls under this config: their source is part of its key
     functions: Callable[[PipelineConfig], list[str]] = lambda cfg: []
+    # other models it loads besides the base model and its inputs' (hub ids or local folders): their weights
+    # are part of its key
+    models: Callable[[PipelineConfig], list[str]] = lambda cfg: []
 
     @property
     def module(self) -> str:
@@ -85,9 +88,18 @@ def _prompts_data(cfg) -> dict[str, str]:
 
 
 def _eval_inputs(cfg) -> list[str]:
-    policies = [p for p in cfg.eval.policies if p != "base"]
+    from rlhf.core.config import policy_kind
+
+    policies = [p for p in cfg.eval.policies if policy_kind(p) == "stage"]
     judge = ["reward_model"] if cfg.reward_model.enabled else []  # scores samples even as a metric only
-    return sorted({*policies, *_sft(cfg), *judge}, key=NAMES.index)
+    others = sorted(p for p in cfg.eval.policies if policy_kind(p) == "run")  # other runs' stages, same store
+    return sorted({*policies, *_sft(cfg), *judge}, key=NAMES.index) + others
+
+
+def locate(run: str, name: str) -> tuple[str, str]:
+    """(run, stage) of an input: a stage of this run, or '<run>/<stage>', another run's in the same store."""
+    other, _, stage = name.rpartition("/")
+    return (other or run, stage)
 
 
 POLICY = ("model", "metrics")
@@ -119,7 +131,8 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               ("rollouts",), data_files=_prompts_data),
     StageSpec("eval", "inference", _eval_inputs,
               ("samples", "battles", "ratings", "metrics", "accuracy_diffs", "run", "leaderboard", "chart"),
-              data_files=_prompts_data),
+              data_files=_prompts_data,
+              models=lambda cfg: [p.removeprefix("model:") for p in cfg.eval.policies if p.startswith("model:")]),
 )}
 NAMES = tuple(SPECS)  # DAG order: every stage's inputs come before it
 

@@ -33,4 +33,7 @@ class StageContext:
         return self.store.stage_path(self.cfg.run.name, self.stage, *rest)
 
     def input_path(self, stage: str, output: str) -> str:
-        return self.store.stage_path(self.cfg.run.name, stage, self.inputs[stage]["outputs"][output])
+        """Where an input's output lives: this run's stage, or ('<run>/<stage>') another run's."""
+        from rlhf.core.registry import locate
+
+        return self.store.stage_path(*locate(self.cfg.run.name, stage), self.inputs[stage]["outputs"][output])

@@ -93,6 +93,11 @@ def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
     for view, table in VIEWS.items():
         con.register(view, eval_tables(store, completed_runs(store, table), table))
     con.register("ledger", ledger_table(store))
+    from rlhf.ops.leaderboard import LEADERBOARD_SCHEMA, TABLE  # written by `rlhf leaderboard`: empty until then
+
+    board = store.path(*TABLE)
+    con.register("leaderboard", pads.dataset([board] if store.fs.exists(board) else [], schema=LEADERBOARD_SCHEMA,
+                                             format="parquet", filesystem=store.fs))
     return con
 
 

@@ -69,6 +69,7 @@ def identity(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> dic
         "seed": cfg.run.seed,
         "inputs": input_keys,
         "functions": {f: fingerprint.function(f) for f in SPECS[stage].functions(cfg)},
+        "models": {m: fingerprint.model(m) for m in SPECS[stage].models(cfg)},
         "packages": packages_part(cfg, stage, files),
         "code": codehash.digests(files),
     }
@@ -144,6 +145,8 @@ def explain(stage: str, old: dict, new: dict, paths: dict[str, str] | None = Non
     for f, a, b in _changed(old.get("functions") or {}, new.get("functions") or {}):
         files = sorted(k for k, _, _ in _changed(a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}))
         out.append(f"reward function {f}: " + (f"source changed ({', '.join(files)})" if files else "added or removed"))
+    for m, a, b in _changed(old.get("models") or {}, new.get("models") or {}):
+        out.append(f"model {m}: " + ("added" if a == "(unset)" else "removed" if b == "(unset)" else "weights changed"))
     for dist, a, b in _changed(old.get("packages") or {}, new.get("packages") or {}):
         out.append(f"package {dist}: {shown(a)} -> {shown(b)}")
     if isinstance(old.get("code"), dict) and isinstance(new.get("code"), dict):

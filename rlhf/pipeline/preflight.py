@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from rlhf.core import cluster, tracking
 from rlhf.core.config import PipelineConfig
-from rlhf.core.registry import SPECS, of_kind, plan, stage_inputs
+from rlhf.core.registry import SPECS, locate, of_kind, plan, stage_inputs
 from rlhf.pipeline.identity import DATA_FILES, explain, identity, key_of
 from rlhf.core.manifest import ManifestError
 from rlhf.core.store import ATTEMPT, endpoint_problem
@@ -20,17 +20,57 @@ def network_problems(cfg: PipelineConfig, timeout: float = 3.0) -> list[str]:
             + cluster.network_problems(cfg, timeout))
 
 
-def predicted_identities(cfg: PipelineConfig) -> dict[str, dict]:
+def predicted_identities(cfg: PipelineConfig, store=None) -> dict[str, dict]:
     """Identities the stages will have (rlhf/pipeline/identity.py): each depends only on config, code, data,
-    model, packages and its inputs' keys, so the whole plan is known before any stage runs."""
+    model, packages and its inputs' keys, so the whole plan is known before any stage runs. Another run's
+    stage ('<run>/<stage>', an eval policy) is an input whose key is read from its manifest in `store`."""
     idents: dict[str, dict] = {}
     for stage in plan(cfg):
-        idents[stage] = identity(cfg, stage, {s: key_of(idents[s]) for s in stage_inputs(cfg, stage)})
+        keys = {s: key_of(idents[s]) if s in idents else external_key(cfg, store, s) for s in stage_inputs(cfg, stage)}
+        idents[stage] = identity(cfg, stage, keys)
     return idents
 
 
-def predicted_keys(cfg: PipelineConfig) -> dict[str, str]:
-    return {stage: key_of(ident) for stage, ident in predicted_identities(cfg).items()}
+def external_key(cfg: PipelineConfig, store, name: str) -> str:
+    """The content key of another run's complete stage; ValueError naming it when there is none."""
+    run, stage = locate(cfg.run.name, name)
+    manifest = None if store is None else store.read_manifest(run, stage)
+    if manifest is None:
+        raise ValueError(f"eval.policies: {name!r}: run {run!r} has no complete {stage} stage in the store"
+                         + ("" if store is None else f" ({store.url(store.stage_path(run, stage))})"))
+    return manifest["key"]
+
+
+def policy_problems(cfg: PipelineConfig, store) -> list[str]:
+    """'eval.policies: ...' lines for evaluated policies that do not exist: another run's stage without a
+    complete manifest in the store, a local model folder that is missing, a hub id neither cached nor known
+    to the hub."""
+    from pathlib import Path
+
+    from rlhf.core import fingerprint
+    from rlhf.core.config import policy_kind
+
+    if not cfg.eval.enabled:
+        return []
+    out = []
+    for p in cfg.eval.policies:
+        if policy_kind(p) == "run":
+            try:
+                external_key(cfg, store, p)
+            except ValueError as e:
+                out.append(str(e))
+        elif policy_kind(p) == "model":
+            name = p.removeprefix("model:")
+            if name.startswith(("/", ".", "~")):
+                if not (Path(name).expanduser() / "config.json").is_file():
+                    out.append(f"eval.policies: {p!r}: no model folder there (no config.json)")
+            elif fingerprint.hub_revision(name) == "unresolved":
+                out.append(f"eval.policies: {p!r}: not in the local Hugging Face cache, and the hub did not answer")
+    return out
+
+
+def predicted_keys(cfg: PipelineConfig, store=None) -> dict[str, str]:
+    return {stage: key_of(ident) for stage, ident in predicted_identities(cfg, store).items()}
 
 
 def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
@@ -39,7 +79,7 @@ def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
     a config value, an upstream stage)."""
     out = {}
     paths = {k: getattr(cfg.data, k) for k in DATA_FILES}
-    for stage, ident in predicted_identities(cfg).items():
+    for stage, ident in predicted_identities(cfg, store).items():
         key = key_of(ident)
         try:
             manifest = store.read_manifest(cfg.run.name, stage)

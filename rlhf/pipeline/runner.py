@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from rlhf.core import codehash, tracking
 from rlhf.core.config import PipelineConfig
 from rlhf.core.models import home
-from rlhf.core.registry import SPECS, output_path, stage_inputs
+from rlhf.core.registry import SPECS, locate, output_path, stage_inputs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.core.ledger import Meter
 from rlhf.core.resources import PeakRSS
@@ -59,7 +59,7 @@ def stage_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tup
 
 
 def inputs_and_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[dict[str, Manifest], dict]:
-    inputs = {s: store.require_manifest(cfg.run.name, s) for s in stage_inputs(cfg, stage)}
+    inputs = {s: store.require_manifest(*locate(cfg.run.name, s)) for s in stage_inputs(cfg, stage)}
     return inputs, identity(cfg, stage, {s: m["key"] for s, m in inputs.items()})
 
 

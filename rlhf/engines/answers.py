@@ -1,0 +1,72 @@
+"""Answers kept per (policy weights, prompts, sampling settings): `<root>/_cache/answers/<key>/`, shared by
+every run in the store, so an evaluation that adds a tenth policy generates only that policy's answers and
+`rlhf leaderboard` can rate every policy ever evaluated on the same prompts.
+
+An entry's key hashes what determines its answers and their scores: the policy's weights (a stage's content
+key, or a model's fingerprint), the prompts themselves, the sampling settings and batch size (each batch
+is seeded by its index), the verifier that scored them, and the generating code with the numeric packages
+it imports. `answers.parquet` holds one row per answer; `manifest.json`, written last, names the policy,
+the run that generated it, the prompt set (a digest of the prompts: what the leaderboard groups by) and
+the counts. An entry without a manifest is incomplete and never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import datetime, timezone
+
+import pyarrow as pa
+
+from rlhf.engines.engine import Generation, SamplingParams
+
+ANSWERS_SCHEMA = pa.schema([
+    pa.field("prompt_index", pa.int64(), nullable=False),
+    pa.field("prompt_id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int64(), nullable=False),
+    pa.field("response", pa.string()),
+    pa.field("response_ids", pa.list_(pa.int32())),
+    pa.field("logprobs", pa.list_(pa.float32())),
+    pa.field("finish_reason", pa.string()),
+    pa.field("verifier_score", pa.float64()),  # null for open-ended prompts (nothing to verify against)
+])
+KIND = "answers"
+
+
+def prompt_set(prompts: list[list[dict]]) -> str:
+    """A digest of the prompts in order: the same prompts, the same set, whichever run or file gave them."""
+    return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def answers_key(weights: dict, prompts: list[list[dict]], params: SamplingParams, batch_size: int, verifier: str,
+                code: dict) -> str:
+    parts = {"weights": weights, "prompts": prompt_set(prompts), "params": params.__dict__, "batch_size": batch_size,
+             "verifier": verifier, "code": code}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def entry_path(store, key: str) -> str:
+    return store.path("_cache", KIND, key)
+
+
+def read(store, key: str) -> tuple[list[Generation], list[float | None]] | None:
+    """The entry's answers (as the engine gave them) and their verifier scores, or None when there is no
+    complete entry."""
+    path = entry_path(store, key)
+    if store.read_json(f"{path}/manifest.json") is None:
+        return None
+    rows = store.read_table(f"{path}/answers.parquet", ANSWERS_SCHEMA).to_pylist()
+    gens = [Generation(r["prompt_index"], r["sample_index"], r["response_ids"], r["logprobs"], r["response"],
+                       r["finish_reason"]) for r in rows]
+    return gens, [r["verifier_score"] for r in rows]
+
+
+def write(store, key: str, gens: list[Generation], scores: list[float | None], prompt_ids: list[str], meta: dict) -> None:
+    """Answers first, then the manifest (meta: policy, run, prompt set, params, verifier) last."""
+    path = entry_path(store, key)
+    rows = [{"prompt_index": g.prompt_index, "prompt_id": prompt_ids[g.prompt_index], "sample_index": g.sample_index,
+             "response": g.text, "response_ids": g.token_ids, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
+             "verifier_score": s} for g, s in zip(gens, scores)]
+    store.write_table(f"{path}/answers.parquet", pa.Table.from_pylist(rows, schema=ANSWERS_SCHEMA), ANSWERS_SCHEMA)
+    store.write_json(f"{path}/manifest.json", {**meta, "key": key, "answers": len(rows),
+                                               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")})
