@@ -191,7 +191,8 @@ def prompts_line(cfg: PipelineConfig) -> str:
     task = make_task(cfg.data)
     n = f"{len(task.train)} training and {len(task.eval)} held-out prompts"
     if not cfg.data.prompts_path:
-        return f"prompts: {cfg.data.task} (generated, data.seed {cfg.data.seed}): {n}, checked by reasoning-gym's verifier"
+        rl = f", {cfg.data.rl_size} RL prompts drawn apart from both" if cfg.data.rl_size else ""
+        return f"prompts: {cfg.data.task} (generated, data.seed {cfg.data.seed}): {n}{rl}, checked by reasoning-gym's verifier"
     split = cfg.data.eval_prompts_path or f"a split of data.eval_fraction {cfg.data.eval_fraction} by data.seed"
     how = ("open-ended (no answers): judged by the reward model" if task.open_ended else
            f"answers in {cfg.data.answer_column!r}, checked by {cfg.data.verifier}")
