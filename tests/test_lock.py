@@ -67,10 +67,16 @@ def test_same_host_dead_process_lock_is_taken_over_at_once_and_logged(tmp_path, 
 
 @pytest.mark.slow
 def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
+    import signal
+
     exe = str(Path(sys.executable).parent / "rlhf")
     common = ["run", "--profile", "tiny", "--set", f"storage.url={tmp_path}", *sum((["--set", o] for o in only("sft")), [])]
+    # the first 'dup' trains far longer than this test waits, so it is surely live when the second
+    # launches (an 8-step SFT could finish first on a busy machine); the test stops it with SIGTERM
+    endless = ["--set", "sft.max_steps=100000", "--set", "sft.save_steps=100000"]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    first = subprocess.Popen([exe, *common, "--run-name", "dup"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([exe, *common, *endless, "--run-name", "dup"], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lock = tmp_path / "dup" / "_lock.json"
     deadline = time.time() + 120
     while not lock.exists():
@@ -79,15 +85,19 @@ def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     # another name runs beside it, at the same time (each run has its own lock and temporary API)
     other = subprocess.Popen([exe, *common, "--run-name", "other"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    second = subprocess.run([exe, *common, "--run-name", "dup"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    out, err = first.communicate(timeout=600)
-    _, other_err = other.communicate(timeout=600)
-    assert first.returncode == 0, err[-2000:]
-    assert second.returncode == 3 and "refused: run 'dup' is already running" in second.stderr
+    second = subprocess.run([exe, *common, *endless, "--run-name", "dup"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert first.poll() is None, "the first run ended before the second launched: the test proves nothing"
+    assert second.returncode == 3 and "refused: run 'dup' is already running" in second.stderr, second.stderr[-2000:]
     assert "Traceback" not in second.stderr  # refused before Prefect starts: one line, no crashed flow run
+    _, other_err = other.communicate(timeout=600)
     assert other.returncode == 0, other_err[-2000:]
-    assert json.loads((tmp_path / "dup" / "sft" / "manifest.json").read_text())["run"] == "dup"
-    assert not lock.exists()  # released at the end of the run
+    assert json.loads((tmp_path / "other" / "sft" / "manifest.json").read_text())["run"] == "other"
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 143, err[-2000:]
+    assert not lock.exists()  # released when the run stops
+    assert not (tmp_path / "dup" / "sft" / "manifest.json").exists()  # stopped mid-stage: nothing looks complete
 
 
 def _race(n: int, attempt) -> list:
