@@ -202,3 +202,20 @@ def test_rl_init_from_adds_its_stage_to_the_inputs_and_needs_it_enabled():
         load_config(CONFIG, overrides=["grpo.init_from=kto"])
     with pytest.raises(ConfigError, match=r"ppo.init_from"):
         load_config(CONFIG, overrides=["ppo.enabled=true", "ppo.init_from=rlhf"])
+
+
+def test_reward_model_kind_auto_follows_the_pairs(tmp_path):
+    """kind: auto resolves when the config loads (manifests and keys see the concrete kind): the policy's
+    own pairs -> implicit, a user's pairs file -> the kind measured best on human-written pairs, a
+    classifier-only option -> classifier; an explicit kind is kept."""
+    from rlhf.core.config import USER_PAIRS_KIND
+
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "q", "chosen": "a", "rejected": "b"}\n')
+    user = ["preferences.enabled=false", f"data.prefs_path={tmp_path / 'pairs.jsonl'}"]
+    assert load_config(CONFIG).reward_model.kind == "implicit"  # the default's on-policy pairs
+    assert load_config(CONFIG, overrides=user).reward_model.kind == USER_PAIRS_KIND
+    assert load_config(CONFIG, overrides=["reward_model.use_margin=true"]).reward_model.kind == "classifier"
+    for kind in ("implicit", "classifier"):
+        assert load_config(CONFIG, overrides=[*user, f"reward_model.kind={kind}"]).reward_model.kind == kind
+    with pytest.raises(ConfigError, match="reward_model.kind"):
+        load_config(CONFIG, overrides=["reward_model.kind=bigger"])
