@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--test", type=int, default=300)
     ap.add_argument("--train", type=int, default=600)
     ap.add_argument("--kinds", nargs="*", default=[], choices=["implicit", "classifier"])
+    ap.add_argument("--trained-only", action="store_true", help="skip the untrained model's rows")
     args = ap.parse_args(argv)
 
     from rlhf.core.config import ModelConfig
@@ -111,10 +112,11 @@ def main(argv=None) -> int:
     report = {"pairs_kept": len(pairs), "test": len(test), "train": len(train),
               "chosen_longer_share": round(sum(longer) / len(test), 3),
               "pick_longer": accuracy([float(k) for k in longer], [float(not k) for k in longer], longer)}
-    with torch.inference_mode():
-        ll = loglik(load_causal_lm(path, ModelConfig()), tok, test)
-    report["untrained_sum"] = accuracy(ll["chosen_sum"], ll["rejected_sum"], longer)
-    report["untrained_mean"] = accuracy(ll["chosen_mean"], ll["rejected_mean"], longer)
+    if not args.trained_only:
+        with torch.inference_mode():
+            ll = loglik(load_causal_lm(path, ModelConfig()), tok, test)
+        report["untrained_sum"] = accuracy(ll["chosen_sum"], ll["rejected_sum"], longer)
+        report["untrained_mean"] = accuracy(ll["chosen_mean"], ll["rejected_mean"], longer)
     print(json.dumps(report), flush=True)
     if args.kinds:
         with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ import random
 from functools import cached_property
 
 from rlhf.core.config import DataConfig
-from rlhf.data.tasks import Problem, assistant
+from rlhf.data.tasks import Problem, Split, assistant
 from rlhf.data.userdata import DataError, load_rows
 from rlhf.data.verifiers import VERIFIERS
 
@@ -27,7 +27,7 @@ def load_prompts(cfg: DataConfig, source: str) -> tuple[list[dict], list[str]]:
     return load_rows(source, "prompts", cfg.on_bad_row, required=required)
 
 
-class PromptFile:
+class PromptFile(Split):
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
         self.open_ended = cfg.answer_column is None
@@ -62,14 +62,6 @@ class PromptFile:
             raise DataError(f"{self.cfg.eval_prompts_path or self.cfg.prompts_path}: no held-out prompt left (every one "
                             "also appears among the training prompts)")
         return train, evals, len(dropped)
-
-    @property
-    def train(self) -> list[Problem]:
-        return self._splits[0]
-
-    @property
-    def eval(self) -> list[Problem]:
-        return self._splits[1]
 
     @property
     def rl(self) -> list[Problem]:

@@ -47,8 +47,20 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
+class Split:
+    """The training and held-out problems of a prompt source, from its cached `_splits` (train first)."""
+
+    @property
+    def train(self) -> list[Problem]:
+        return self._splits[0]
+
+    @property
+    def eval(self) -> list[Problem]:
+        return self._splits[1]
+
+
 @dataclass(frozen=True)
-class Task:
+class Task(Split):
     cfg: DataConfig
     open_ended = False  # every problem has a gold answer
 
@@ -89,14 +101,6 @@ class Task:
 
     def _problem(self, pid: str, e: dict) -> Problem:
         return Problem(pid, e["question"], str(e["answer"]), e, self.cfg.system_prompt, extra={"answer": str(e["answer"])})
-
-    @property
-    def train(self) -> list[Problem]:
-        return self._splits[0]
-
-    @property
-    def eval(self) -> list[Problem]:
-        return self._splits[1]
 
     @cached_property
     def _scorer(self):
