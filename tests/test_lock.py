@@ -122,9 +122,11 @@ def _race(n: int, attempt) -> list:
 
 
 def test_simultaneous_launches_and_takeovers_have_exactly_one_winner(storage_url):
-    """Atomic create (a hard link, S3's If-None-Match) and compare-and-swap takeover (S3's If-Match)."""
+    """Atomic create (a folder flock locally, S3's If-None-Match) and compare-and-swap takeover (S3's
+    If-Match). Several takeover rounds: a lost race is a matter of timing (a rename-aside protocol let a
+    create win beside a takeover in about one round of twenty on CI)."""
     store = ArtifactStore(StorageConfig(url=storage_url))
-    lost = []  # a winner whose lock the second round takes over must not interrupt this test's process
+    lost = []  # a winner whose lock a later round takes over must not interrupt this test's process
 
     def launch(held: list):
         lock = RunLock(store, "race", heartbeat_every=0.2, on_lost=lost.append)
@@ -132,17 +134,22 @@ def test_simultaneous_launches_and_takeovers_have_exactly_one_winner(storage_url
         held.append(lock)
         return "won"
 
-    first, second = [], []
-    results = _race(6, lambda: launch(first))
+    held = []
+    results = _race(6, lambda: launch(held))
     assert results.count("won") == 1 and all(isinstance(r, RunLocked) for r in results if r != "won"), results
     path = store.path("race", "_lock.json")
-    first[0]._stop.set()  # its run dies: the heartbeat stops ...
-    first[0]._thread.join()
-    store.write_json(path, {**store.read_json(path), "heartbeat": time.time() - 500})  # ... and goes stale
-    results = _race(6, lambda: launch(second))
-    assert results.count("won") == 1, results
-    assert store.read_json(path)["owner"] == second[0].owner != first[0].owner
-    second[0].release()
+    for _ in range(5):
+        previous = held.pop()
+        previous._stop.set()  # its run dies: the heartbeat stops ...
+        previous._thread.join()
+        store.write_json(path, {**store.read_json(path), "heartbeat": time.time() - 500})  # ... and goes stale
+        results = _race(6, lambda: launch(held))
+        assert results.count("won") == 1 and len(held) == 1, results
+        assert all(isinstance(r, RunLocked) for r in results if r != "won"), results
+        assert store.read_json(path)["owner"] == held[0].owner != previous.owner
+        previous.release()  # a late release of a taken-over lock leaves the new owner's lock alone
+        assert store.read_json(path)["owner"] == held[0].owner
+    held[0].release()
     assert store.read_json(path) is None and lost == []
 
 

@@ -8,6 +8,8 @@ Names starting with '_' are reserved for the store itself (`_cache/`, `_attempt.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -190,25 +192,18 @@ class ArtifactStore:
     # ---- conditional writes (the run lock) ---------------------------------------------------
     @retrying("create")
     def create_json(self, path: str, obj: Any) -> bool:
-        """Writes `obj` at `path` only if nothing is there, atomically; False when something was. Locally a
-        complete temp file hard-linked into place (link refuses an existing name); on S3 a conditional PUT
-        (If-None-Match: *, which AWS S3, SeaweedFS and MinIO honour)."""
+        """Writes `obj` at `path` only if nothing is there, atomically; False when something was. Locally
+        under an exclusive flock of the folder (see _dir_locked); on S3 a conditional PUT (If-None-Match: *,
+        which AWS S3, SeaweedFS and MinIO honour)."""
         data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         if not self.is_local:
             return self._put_if(path, data, IfNoneMatch="*")
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
+        with _dir_locked(path):
+            if os.path.exists(path):
+                return False
+            _write_atomically(path, data)
             return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
 
     @retrying("read")
     def read_json_tagged(self, path: str) -> tuple[Any | None, str | None]:
@@ -218,7 +213,10 @@ class ArtifactStore:
         if not self.fs.exists(path):
             return None, None
         if self.is_local:
-            data = Path(path).read_bytes()
+            try:
+                data = Path(path).read_bytes()
+            except FileNotFoundError:  # released between the two calls
+                return None, None
             tag = hashlib.sha256(data).hexdigest()
         else:
             tag = self.fs.info(path)["ETag"]
@@ -232,25 +230,41 @@ class ArtifactStore:
     @retrying("replace")
     def replace_json(self, path: str, obj: Any, tag: str) -> bool:
         """Replaces the version of `path` that read_json_tagged tagged `tag` by `obj`; False when `path`
-        holds another version, or none. On S3 a conditional PUT (If-Match); locally the file is renamed
-        aside (one process wins the rename), compared, and the new one linked into place."""
+        holds another version, or none. On S3 a conditional PUT (If-Match); locally compare and write under
+        the folder's flock, the new version renamed into place (readers never see the name missing)."""
+        data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
         if not self.is_local:
-            return self._put_if(path, json.dumps(obj, indent=2, sort_keys=True, default=str).encode(), IfMatch=tag)
-        aside = f"{path}.aside-{uuid.uuid4().hex[:8]}"
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return False
-        try:
-            if hashlib.sha256(Path(aside).read_bytes()).hexdigest() != tag:  # another version: put it back
-                try:
-                    os.link(aside, path)
-                except FileExistsError:
-                    pass
+            return self._put_if(path, data, IfMatch=tag)
+        with _dir_locked(path):
+            try:
+                current = Path(path).read_bytes()
+            except FileNotFoundError:
                 return False
-            return self.create_json.__wrapped__(self, path, obj)
-        finally:
-            os.unlink(aside)
+            if hashlib.sha256(current).hexdigest() != tag:
+                return False
+            _write_atomically(path, data)
+            return True
+
+    @retrying("release")
+    def remove_if(self, path: str, owner: str) -> bool:
+        """Deletes the JSON object at `path` only while its "owner" field is `owner` (the run lock's
+        release: a lock taken over in the meantime stays). Locally under the folder's flock; on S3 the
+        read and the delete are two requests, so a takeover between them is undone only there."""
+        if not self.is_local:
+            current = self.read_json(path)
+            if isinstance(current, dict) and current.get("owner") == owner:
+                self.remove(path)
+                return True
+            return False
+        with _dir_locked(path):
+            try:
+                current = json.loads(Path(path).read_bytes())
+            except (FileNotFoundError, ValueError):
+                return False
+            if isinstance(current, dict) and current.get("owner") == owner:
+                os.unlink(path)
+                return True
+            return False
 
     def _put_if(self, path: str, data: bytes, **condition: str) -> bool:
         """A PUT with an S3 precondition; False when the store says it does not hold (HTTP 412, or 409
@@ -346,3 +360,32 @@ class ArtifactStore:
         if not self.fs.exists(path):
             return []
         return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False) if self.fs.isdir(p)]
+
+
+@contextlib.contextmanager
+def _dir_locked(path: str):
+    """An exclusive flock of the folder holding `path`, for a compare-and-write on the local disk. A
+    rename-aside protocol left the name missing for a moment, and a create in that moment won beside the
+    replace (two winners of one takeover). flock on a folder's descriptor works on Linux and macOS
+    filesystems and leaves no file behind; it binds processes of one host, which is what a local store
+    is shared by."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """A complete, fsynced temp file renamed over `path`: readers see the old version or the new one."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

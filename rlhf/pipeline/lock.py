@@ -6,8 +6,8 @@ seconds (its run died without releasing it) is taken over, and so, at once, is a
 and a process id that no longer exists; every takeover is logged. Different run names never touch each
 other's locks.
 
-Every write is atomic and conditional (ArtifactStore.create_json / replace_json: a hard link locally, S3's
-If-None-Match / If-Match preconditions): of two launches at the same moment exactly one creates the lock,
+Every write is atomic and conditional (ArtifactStore.create_json / replace_json / remove_if: a flock of the
+folder locally, S3's If-None-Match / If-Match preconditions): of two launches at the same moment exactly one creates the lock,
 of two takeovers of the same stale lock exactly one replaces it, and a heartbeat replaces only the version
 it wrote last. So a heartbeat that finds another owner's version (its run was taken over), or that the
 store keeps refusing for half of `stale_after` (others would soon take it over), stops the run: `on_lost`
@@ -155,9 +155,7 @@ class RunLock:
         self._stop.set()
         if self._thread and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        current = self.store.read_json(self.path)
-        if isinstance(current, dict) and current.get("owner") == self.owner:
-            self.store.remove(self.path)
+        self.store.remove_if(self.path, self.owner)
 
     def release_for(self, pid: int) -> None:
         """Removes the lock that process `pid` of this host took, after that process was killed before it
