@@ -120,6 +120,14 @@ def run(
     # it can take longer, and the run would fail before its first stage.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     store = ArtifactStore(cfg.storage)
+    from rlhf.pipeline.preflight import nothing_to_run
+
+    if (complete := nothing_to_run(cfg, store)) is not None:
+        for summary in complete:
+            _print_summary({**summary, "status": "skipped"})
+        typer.echo(f"run {cfg.run.name!r}: every stage is complete under its content key; nothing to run "
+                   f"(no Prefect flow run started). Results: {store.url(store.path(cfg.run.name))}")
+        return
     # before Prefect and torch start threads: the flow runs in a child that dies with us
     fork_supervised(after=lambda pid: RunLock(store, cfg.run.name).release_for(pid))
     from prefect.settings import PREFECT_API_URL
@@ -136,8 +144,12 @@ def run(
         typer.echo(f"refused: {e}", err=True)
         raise typer.Exit(3) from None
     for r in results:
-        shown = {k: round(v, 4) for k, v in r["metrics"].items()}
-        typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
+        _print_summary(r)
+
+
+def _print_summary(r: dict) -> None:
+    shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in r["metrics"].items()}
+    typer.echo(f"{r['stage']:>14}: {r['status']:<8} key {r['key'][:12]}  {shown}")
 
 
 EXIT_API_LOST = 75  # sysexits.h EX_TEMPFAIL: a temporary failure, worth running again

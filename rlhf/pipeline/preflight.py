@@ -99,6 +99,24 @@ def outlook(cfg: PipelineConfig, store) -> dict[str, str]:
     return out
 
 
+def nothing_to_run(cfg: PipelineConfig, store) -> list[dict] | None:
+    """Each planned stage's summary (stage, key, metrics) when every one is complete under the key it will
+    have and the run's report is stored, else None. `rlhf run` then ends here, without a Prefect flow run:
+    a skipped stage writes nothing, so the flow would only log skips (and start a temporary API, most of a
+    fully skipped rerun's 20 s). A deployment run (`rlhf/full`) still goes through the flow."""
+    from rlhf.core.store import StorageError
+
+    try:
+        keys = predicted_keys(cfg, store)
+        manifests = {stage: store.read_manifest(cfg.run.name, stage) for stage in keys}
+        report = store.fs.exists(store.path(cfg.run.name, "_report", "report.md"))
+    except (ManifestError, StorageError, ValueError):  # the flow's stage runs name the problem
+        return None
+    if not keys or not report or any(m is None or m["key"] != keys[s] for s, m in manifests.items()):
+        return None
+    return [{"stage": s, "key": m["key"], "metrics": m.get("metrics") or {}} for s, m in manifests.items()]
+
+
 def risky_settings(cfg: PipelineConfig) -> list[str]:
     warnings = []
     for stage in plan(cfg):
