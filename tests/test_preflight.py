@@ -12,7 +12,7 @@ from rlhf.core import progress
 from rlhf.core.config import ModelConfig
 from rlhf.core.loader import load_config
 from rlhf.pipeline.memory import Shape, activation_bytes, model_shape, stage_estimates, trained_model_bytes
-from rlhf.pipeline.preflight import outlook, predicted_keys, risky_settings
+from rlhf.pipeline.preflight import nothing_to_run, outlook, predicted_keys, risky_settings
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
 from rlhf.train.training import CRASH_ENV, InjectedCrash
@@ -109,6 +109,13 @@ def test_outlook_says_run_then_resume_then_skip_and_progress_is_reported(tiny_cf
     assert outlook(cfg, store)["sft"] == f"skip (complete, key {manifest['key'][:12]})"
     changed = tiny_cfg(*only("sft", "dpo", "ref_logprobs"), "sft.save_steps=2", "sft.learning_rate=1e-4")
     assert outlook(changed, store)["sft"] == "run (replaces the stored result: sft.learning_rate: 0.001 -> 0.0001)"
+
+    only_sft = tiny_cfg(*only("sft"), "sft.save_steps=2")
+    assert nothing_to_run(cfg, store) is None  # ref_logprobs and dpo have not run
+    assert nothing_to_run(only_sft, store) is None  # complete, but no run report stored: the flow writes it
+    store.write_bytes(store.path(cfg.run.name, "_report", "report.md"), b"# report")
+    assert nothing_to_run(only_sft, store) == [{"stage": "sft", "key": manifest["key"], "metrics": manifest["metrics"]}]
+    assert nothing_to_run(tiny_cfg(*only("sft"), "sft.save_steps=2", "sft.learning_rate=1e-4"), store) is None
 
 
 def test_risky_settings_are_named():
