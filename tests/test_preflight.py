@@ -133,3 +133,16 @@ def test_validate_prints_the_preflight():
     assert proc.returncode == 0, proc.stderr
     assert "# memory sft: ~" in proc.stdout and "# memory grpo: ~" in proc.stdout
     assert "# WARNING grpo: KL beta 0 with a learned reward model" in proc.stdout
+
+
+def test_bf16_on_a_cpu_is_native_only_with_its_flags(tmp_path):
+    from rlhf.pipeline.preflight import cpu_has_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
+    assert cpu_has_bf16(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 amx_tile amx_bf16\n")
+    assert cpu_has_bf16(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16x\n")  # whole flags only
+    assert not cpu_has_bf16(str(info))
+    assert not cpu_has_bf16(str(tmp_path / "absent"))

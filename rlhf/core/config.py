@@ -85,7 +85,7 @@ class TinyModelConfig(Strict):
 class ModelConfig(Strict):
     # "smollm2-135m-instruct" (embedded, offline), "tiny" (random init), a Hugging Face id or a local path.
     name: str = "smollm2-135m-instruct"
-    # weights and compute dtype; bfloat16/float16 need a GPU
+    # weights and compute dtype; bfloat16 needs a GPU or a CPU with AVX512_BF16 or AMX, float16 a GPU
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"  # transformers attention kernel
     # Mixed precision (Micikevicius et al. 2018): trained weights, gradients and AdamW states in float32,

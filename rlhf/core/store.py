@@ -173,12 +173,7 @@ class ArtifactStore:
         data = json.dumps(obj, indent=2, sort_keys=True, default=str).encode()
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         if self.is_local:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            _write_atomically(path, data)
         else:
             self.fs.pipe_file(path, data)
 

@@ -147,12 +147,24 @@ def risky_settings(cfg: PipelineConfig) -> list[str]:
         try:
             import torch
 
-            if not torch.cuda.is_available():
-                warnings.append(f"model.dtype: {cfg.model.dtype} on a machine without a GPU is slow or unsupported; "
-                                "use float32 here")
+            if not torch.cuda.is_available() and not (cfg.model.dtype == "bfloat16" and cpu_has_bf16()):
+                warnings.append(f"model.dtype: {cfg.model.dtype} on this machine (no GPU; the CPU reports no "
+                                f"{'AVX512_BF16 or AMX' if cfg.model.dtype == 'bfloat16' else 'AVX512_FP16'}) is "
+                                "emulated and slow; use float32 here")
         except ImportError:
             pass
     return warnings
+
+
+def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU computes bfloat16 natively (x86 AVX512_BF16 or AMX-BF16 in its Linux flags); other
+    CPUs emulate it, at a fraction of float32's speed."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def report(cfg: PipelineConfig, store) -> list[str]:
