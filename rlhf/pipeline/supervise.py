@@ -43,18 +43,9 @@ def fork_supervised(after: Callable[[int], None] | None = None, grace: float = G
     if not sys.platform.startswith("linux"):
         return
     parent = os.getpid()
-    received: list[tuple[int, float]] = []
-    pending = [0]  # the child's pid once known: a signal before then is recorded and passed on after the fork
-
-    def on_signal(signum, frame) -> None:
-        received.append((signum, time.monotonic()))
-        if len(received) == 1 and pending[0]:
-            _signal(pending[0], signal.SIGTERM)
-
-    # before the fork: a signal that arrives while the child already runs must not kill the parent
-    # with the default action and leave the child behind
-    for sig in STOPS:
-        signal.signal(sig, on_signal)
+    # Stop signals wait (blocked) across the fork until each side has its handler: one arriving in between
+    # killed the parent by the default action and left the child behind.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
     sys.stdout.flush()
     sys.stderr.flush()
     child = os.fork()
@@ -63,16 +54,24 @@ def fork_supervised(after: Callable[[int], None] | None = None, grace: float = G
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
         os.setpgid(0, 0)
-        for sig in STOPS:  # the parent's recording handler is not the child's
+        for sig in STOPS:
             signal.signal(sig, exit_on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
         return
     try:  # set on both sides of the fork, as shells do: the group exists before either side relies on it
         os.setpgid(child, child)
     except (PermissionError, ProcessLookupError):  # the child set it already, or is gone
         pass
-    pending[0] = child
-    if received:  # a signal came between the fork and here
-        _signal(child, signal.SIGTERM)
+    received: list[tuple[int, float]] = []
+
+    def on_signal(signum, frame) -> None:
+        received.append((signum, time.monotonic()))
+        if len(received) == 1:
+            _signal(child, signal.SIGTERM)
+
+    for sig in STOPS:
+        signal.signal(sig, on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
     while True:
         done, status = os.waitpid(child, os.WNOHANG)
         if done:
