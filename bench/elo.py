@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlhf.maths.bradley_terry import rate  # noqa: E402
 from rlhf.core.config import StorageConfig  # noqa: E402
-from rlhf.ops.results import SCHEMAS, query  # noqa: E402
+from rlhf.ops.results import query  # noqa: E402
 from rlhf.core.store import ArtifactStore  # noqa: E402
+from rlhf.core.tables import EVAL_SCHEMAS  # noqa: E402
 
 
 def battles(n: int, k: int, seed: int = 0):
@@ -48,8 +49,8 @@ def main() -> None:
         table = pa.table({
             "run": ["bench"] * n, "prompt_id": [f"eval-{i % 5000}" for i in range(n)], "sample_index": np.zeros(n, np.int64),
             "judge": ["verifier"] * n, "policy_a": np.array(names)[a], "policy_b": np.array(names)[b], "score_a": s,
-        }, schema=SCHEMAS["battles"])
-        store.write_table(store.stage_path("bench", "eval", "battles.parquet"), table, SCHEMAS["battles"])
+        }, schema=EVAL_SCHEMAS["battles"])
+        store.write_table(store.stage_path("bench", "eval", "battles.parquet"), table, EVAL_SCHEMAS["battles"])
         store.write_manifest("bench", "eval", {"key": "bench"})
         sql = "select policy_a, policy_b, count(*) n, avg(score_a) win_rate from battles group by 1, 2 order by 1, 2"
         t0 = time.perf_counter()

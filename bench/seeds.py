@@ -29,9 +29,9 @@ sys.path.insert(0, str(REPO))
 from rlhf.core.loader import load_config  # noqa: E402
 from rlhf.core.registry import NAMES  # noqa: E402
 from rlhf.core.store import ArtifactStore  # noqa: E402
-from rlhf.data.schemas import SCHEMAS  # noqa: E402
 from rlhf.maths.bradley_terry import paired_accuracy_diff  # noqa: E402
 from rlhf.pipeline.runner import execute_stage  # noqa: E402
+from rlhf.core.tables import EVAL_SCHEMAS  # noqa: E402
 
 
 def copy_run(src: Path, dst: Path, run: str, rerun: set[str]) -> None:
@@ -48,7 +48,7 @@ def copy_run(src: Path, dst: Path, run: str, rerun: set[str]) -> None:
 
 def correct_by_policy(store: ArtifactStore, run: str, policies: list[str]) -> dict[str, np.ndarray]:
     """[P] 0/1 per held-out prompt for each policy (first sample, prompts in id order)."""
-    rows = store.read_table(store.stage_path(run, "eval", "samples.parquet"), SCHEMAS["samples"]).to_pylist()
+    rows = store.read_table(store.stage_path(run, "eval", "samples.parquet"), EVAL_SCHEMAS["samples"]).to_pylist()
     out = {}
     for policy in policies:
         mine = sorted((r["prompt_id"], r["correct"]) for r in rows if r["policy"] == policy and r["sample_index"] == 0)

@@ -203,11 +203,11 @@ def publish_leaderboard(cfg) -> None:
 
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    from rlhf.data.schemas import SCHEMAS
+    from rlhf.core.tables import EVAL_SCHEMAS
 
     store = ArtifactStore(cfg.storage)
     run = cfg.run.name
-    ratings = store.read_table(store.stage_path(run, "eval", "ratings.parquet"), SCHEMAS["ratings"]).to_pylist()
+    ratings = store.read_table(store.stage_path(run, "eval", "ratings.parquet"), EVAL_SCHEMAS["ratings"]).to_pylist()
     markdown = store.fs.cat_file(store.stage_path(run, "eval", "leaderboard.md")).decode()
     key = re.sub(r"[^a-z0-9-]", "-", f"leaderboard-{run}".lower())
     create_table_artifact(ratings, key=key, description=f"Elo leaderboard of run {run}")

@@ -18,7 +18,6 @@ from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.dpo_trainer import REF_COLUMNS, CachedRefDPOTrainer, with_reference
 from rlhf.train.dpo_rounds import finish_round, finished_rounds, read_round_metrics, round_data, round_metrics, round_model_dir
-from rlhf.train.refcache import REF_LOGPS_SCHEMA
 from rlhf.train.training import TrainerRun, start_model, trainer_kwargs
 
 
@@ -40,7 +39,7 @@ def run(cfg: DPOConfig, ctx: StageContext) -> StageResult:
     for r in range(len(done) + 1, cfg.rounds + 1):
         if r == 1:
             rows, _ = stage_pairs(ctx)
-            ref = ctx.store.read_table(ctx.input_path("ref_logprobs", "ref_logps"), REF_LOGPS_SCHEMA)
+            ref = ctx.read_input(ctx.inputs.ref_logps, "ref_logps")
             data = {"pairs": len(rows)}
         else:
             rows, ref, data = round_data(cfg, ctx, model, tokenizer, r)

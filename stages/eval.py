@@ -17,7 +17,6 @@ import json
 from datetime import datetime, timezone
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from rlhf.core import codehash, fingerprint, progress
@@ -29,7 +28,6 @@ from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
 from rlhf.core.models import load_causal_lm, load_tokenizer, model_identity, resolve_model
 from rlhf.engines import answers
-from rlhf.data.schemas import SCHEMAS
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import assistant
@@ -44,7 +42,7 @@ def policy_path(ctx: StageContext, policy: str) -> str:
         return resolve_model(ctx.cfg.model)
     if policy_kind(policy) == "model":
         return policy.removeprefix("model:")
-    return fetch_model(ctx, policy)
+    return fetch_model(ctx, ctx.inputs.named(policy))
 
 
 def policy_identity(ctx: StageContext, policy: str) -> tuple[str, dict]:
@@ -56,7 +54,7 @@ def policy_identity(ctx: StageContext, policy: str) -> tuple[str, dict]:
         name = policy.removeprefix("model:")
         return policy, {"name": name, "dtype": ctx.cfg.model.dtype, **fingerprint.model(name)}
     label = policy if policy_kind(policy) == "run" else f"{ctx.cfg.run.name}/{policy}"
-    return label, {"key": ctx.inputs[policy]["key"]}
+    return label, {"key": ctx.inputs.named(policy).key}
 
 
 def generation_code() -> dict[str, str]:
@@ -133,7 +131,7 @@ def score_distinct(gens: dict[str, list], policies: list[str], key, score) -> di
 def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]]:
     """Per-sample sum_t (log pi - log pi_ref) on each policy's own samples, ref = SFT (or base); the
     reference's own samples are 0 by definition (not scored again: a quarter of this pass in the default)."""
-    ref = "sft" if "sft" in ctx.inputs else "base"
+    ref = ctx.inputs.reference.stage if ctx.inputs.reference else "base"
     out = {ref: [0.0] * len(gens[ref])} if ref in gens else {}
     scored = [p for p in gens if p not in out]
     if not scored:
@@ -149,9 +147,9 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
 
 
 def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]] | None:
-    if "reward_model" not in ctx.inputs:
+    if ctx.inputs.reward_model is None:
         return None
-    model, tok = load_reward_model(fetch_model(ctx, "reward_model"), ctx.cfg.model.dtype)
+    model, tok = load_reward_model(fetch_model(ctx, ctx.inputs.reward_model), ctx.cfg.model.dtype)
     return score_distinct(gens, list(gens), lambda g: (g.prompt_index, g.text), lambda samples: reward_model_scores(
         model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size))
 
@@ -236,15 +234,14 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
         diffs.append({"run": run_name, "policy_a": a, "policy_b": b, "accuracy_diff": mean, "ci_low": lo, "ci_high": hi})
     run_row = [{"run": run_name, "profile": ctx.cfg.profile, "model": ctx.cfg.model.name,
                 "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "stage_keys": json.dumps({s: m["key"] for s, m in ctx.inputs.items()}),
+                "stage_keys": json.dumps(ctx.inputs.keys()),
                 "config": json.dumps(ctx.cfg.model_dump(mode="json"))}]
 
     tables = {"samples": samples, "battles": battle_rows, "ratings": rating_rows, "metrics": metric_rows,
               "accuracy_diffs": diffs, "run": run_row}
     outputs = {}
     for name, rows in tables.items():
-        ctx.store.write_table(ctx.path(f"{name}.parquet"), pa.Table.from_pylist(rows, schema=SCHEMAS[name]), SCHEMAS[name])
-        outputs[name] = f"{name}.parquet"
+        outputs[name] = ctx.write_output(name, rows)
     outputs["leaderboard"] = write_leaderboard(ctx, rating_rows)
     outputs["chart"] = write_chart(ctx, rating_rows)
     ctx.log.info("eval:\n%s", leaderboard_markdown(rating_rows))

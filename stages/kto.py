@@ -35,15 +35,8 @@ from rlhf.data.pairs import onpolicy_pairs, unpaired_examples
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.training import TrainerRun, start_model, trainer_kwargs
 from rlhf.train.refcache import TABLE, read_entry, reference_key, screen, write_entry
+from rlhf.core.tables import KTO_REF_SCHEMA
 
-KTO_REF_SCHEMA = pa.schema(
-    [
-        pa.field("example_id", pa.string(), nullable=False),
-        pa.field("label", pa.bool_(), nullable=False),
-        pa.field("ref_logps", pa.float64(), nullable=False),
-        pa.field("ref_KL_logps", pa.float64()),  # null for loss_type apo_zero_unpaired (no KL term)
-    ]
-)
 COLUMNS = ("ref_logps", "ref_KL_logps")
 
 
@@ -106,7 +99,7 @@ def to_table(dataset: Dataset) -> pa.Table:
 
 def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
-    rows, dropped = unpaired_examples(pcfg.data, ctx.log, onpolicy_pairs(ctx) if "preferences" in ctx.inputs else None)
+    rows, dropped = unpaired_examples(pcfg.data, ctx.log, onpolicy_pairs(ctx) if ctx.inputs.pairs else None)
     init = Path(start_model(ctx))
     tokenizer = load_tokenizer(str(init))
     rows, problems = screen_examples(tokenizer, rows, cfg.max_length, pcfg.data.on_bad_row, ctx.log)
@@ -145,7 +138,7 @@ def run(cfg: KTOConfig, ctx: StageContext) -> StageResult:
         ctx.log.info("kto: reference log-probs of %d examples in %d batches, cached as %s",
                      table.num_rows, trainer.ref_forward_batches, key[:12])
         write_entry(ctx, entry, key, table, KTO_REF_SCHEMA)
-    ctx.store.write_table(ctx.path(TABLE), table, KTO_REF_SCHEMA)
+    ctx.write_output("ref_logps", table, TABLE)
 
     result = tr.train(trainer)
     metrics = {

@@ -21,34 +21,24 @@ from __future__ import annotations
 
 import time
 
-import pyarrow as pa
 import torch
 
 from rlhf.core import progress
 from rlhf.core.config import PreferencesConfig
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.data.pairs import PAIRS_SCHEMA
 from rlhf.data.sources import make_task
 from rlhf.engines.engine import HFEngine
 from rlhf.train.onpolicy import contrast_rows, make_judge, pair_rows, sample_and_judge
 from rlhf.train.training import fetch_model
 
-SAMPLES_SCHEMA = pa.schema([
-    pa.field("split", pa.string(), nullable=False),  # train | eval | contrast (the base model's, train prompts)
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("sample_index", pa.int64(), nullable=False),
-    pa.field("response", pa.string()),
-    pa.field("response_tokens", pa.int64()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("score", pa.float64()),
-])
 
 
 def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
     task = make_task(ctx.cfg.data)
-    path = resolve_model(ctx.cfg.model) if cfg.policy == "base" else fetch_model(ctx, "sft")
-    policy_key = ctx.inputs["sft"]["key"] if cfg.policy == "sft" else ""
+    policy = ctx.inputs.policy
+    path = fetch_model(ctx, policy) if policy else resolve_model(ctx.cfg.model)
+    policy_key = policy.key if policy else ""
     judge, judge_name = make_judge(cfg, task, ctx.cfg.model.dtype)
     splits = {"train": task.train[: cfg.prompts], "eval": task.eval[: cfg.eval_prompts]}
     total = (sum(len(p) for p in splits.values()) * cfg.samples_per_prompt
@@ -78,8 +68,7 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
             metrics[f"preferences/{split}_score_mean"] = sum(scores) / len(scores)
 
     def write_pairs(name, rows):
-        ctx.store.write_table(ctx.path(f"{name}.parquet"), pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA), PAIRS_SCHEMA)
-        outputs[name], rows_out[name] = f"{name}.parquet", len(rows)
+        outputs[name], rows_out[name] = ctx.write_output(name, rows), len(rows)
 
     outputs, rows_out, metrics, samples, by_split = {}, {}, {}, [], {}
     engine = engine_for(path)
@@ -107,8 +96,7 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
         metrics["preferences/contrast_pairs"] = float(len(rows))
         ctx.log.info("preferences: %d contrast pairs (policy vs base) from %d base answers, %d unpaired", len(rows),
                      len(splits["train"]) * cfg.contrast_samples, rows_out["contrast_pairs_unpaired"])
-    ctx.store.write_table(ctx.path("samples.parquet"), pa.Table.from_pylist(samples, schema=SAMPLES_SCHEMA), SAMPLES_SCHEMA)
-    outputs["samples"] = "samples.parquet"
+    outputs["samples"] = ctx.write_output("samples", samples)
     seconds = time.perf_counter() - t0
     metrics.update({"preferences/samples_per_s": total / seconds, "preferences/seconds": seconds,
                     "preferences/pairs": float(rows_out["pairs"])})

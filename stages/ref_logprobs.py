@@ -22,8 +22,9 @@ from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
-from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, read_entry, ref_table, reference_key, screen, write_entry
+from rlhf.train.refcache import TABLE, read_entry, ref_table, reference_key, screen, write_entry
 from rlhf.train.training import start_model
+from rlhf.core.tables import REF_LOGPS_SCHEMA
 
 
 def cache_key(model_dir: Path, rows: list[dict], cfg: RefLogprobsConfig, dtype: str) -> str:
@@ -61,7 +62,7 @@ def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
                         "ref_logprobs/tokens_per_s": tokens[0] / seconds})
         table = ref_table(pairs, out)
         write_entry(ctx, entry, key, table, REF_LOGPS_SCHEMA)
-    ctx.store.write_table(ctx.path(TABLE), table, REF_LOGPS_SCHEMA)
+    ctx.write_output("ref_logps", table, TABLE)
     return StageResult(
         outputs={"ref_logps": TABLE, "cache_entry": f"_cache/ref_logprobs/{key}"},
         rows={"pairs": table.num_rows, "dropped": dropped_rows + len(problems)},

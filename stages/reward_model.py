@@ -29,7 +29,7 @@ from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 
 from rlhf.core.config import RewardModelConfig
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype, weights_dtype
+from rlhf.core.models import load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.data.pairs import onpolicy_pairs, stage_pairs
 from rlhf.data.tasks import assistant, user
 from rlhf.engines.prefix import SharedPrefixLoss
@@ -38,9 +38,9 @@ from rlhf.train.rewards import reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.training import (
     TrainerRun,
-    fetch_model,
     peft_config,
     publish_model,
+    start_model,
     trainer_kwargs,
     write_metrics,
 )
@@ -66,12 +66,12 @@ def run(cfg: RewardModelConfig, ctx: StageContext) -> StageResult:
     rows, dropped = stage_pairs(ctx, keep_margin=cfg.use_margin, contrast=True)  # with policy-vs-base pairs
     rows = [{k: v for k, v in r.items() if k != "pair_id"} for r in rows]
     held_out_pairs = [{k: v for k, v in r.items() if k != "pair_id"} for r in onpolicy_pairs(ctx, "eval_pairs")] if (
-        "preferences" in ctx.inputs) else []
+        ctx.inputs.pairs) else []
     if held_out_pairs:  # pairs of held-out prompts: every training pair trains
         train_rows, eval_rows = rows, held_out_pairs
     else:
         train_rows, eval_rows = split(rows, cfg.eval_fraction, pcfg.run.seed)
-    init = fetch_model(ctx, "sft") if cfg.init_from == "sft" else resolve_model(pcfg.model)
+    init = start_model(ctx)  # SFT's model with init_from: sft, else the base model
     tokenizer = load_tokenizer(init)
     if cfg.kind == "implicit":
         return run_implicit(cfg, ctx, init, tokenizer, train_rows, eval_rows, bool(held_out_pairs), dropped)

@@ -7,7 +7,6 @@ response, token ids, sampler log-probs, finish reason, reward).
 
 from __future__ import annotations
 
-import pyarrow as pa
 import torch
 
 from rlhf.core import progress
@@ -19,21 +18,10 @@ from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.sources import make_task
 from rlhf.train.training import fetch_model
 
-ROLLOUT_SCHEMA = pa.schema([
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("sample_index", pa.int64(), nullable=False),
-    pa.field("prompt", pa.string()),
-    pa.field("response", pa.string()),
-    # the RL loop's experience tables name the same columns the same way (rlhf/train/rl_loop.py)
-    pa.field("response_ids", pa.list_(pa.int32())),
-    pa.field("logp_rollout", pa.list_(pa.float32())),
-    pa.field("finish_reason", pa.string()),
-    pa.field("reward", pa.float64()),
-])
 
 
 def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
-    path = resolve_model(ctx.cfg.model) if cfg.policy == "base" else fetch_model(ctx, cfg.policy)
+    path = fetch_model(ctx, ctx.inputs.policy) if ctx.inputs.policy else resolve_model(ctx.cfg.model)
     tok = load_tokenizer(path)
     task = make_task(ctx.cfg.data)
     problems = (task.train if cfg.split == "train" else task.eval)[: cfg.prompts]
@@ -53,8 +41,7 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
              "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "finish_reason": g.finish_reason,
              # the verifier's score; none for open-ended prompts (nothing to verify against)
              "reward": None if task.open_ended else task.score(g.text, problems[g.prompt_index])} for g in gens]
-    ctx.store.write_table(ctx.path("rollouts.parquet"), pa.Table.from_pylist(rows, schema=ROLLOUT_SCHEMA), ROLLOUT_SCHEMA)
     metrics = {"rollout/stop_fraction": sum(g.finish_reason == "stop" for g in gens) / len(gens)}
     if not task.open_ended:
         metrics["rollout/reward_mean"] = sum(r["reward"] for r in rows) / len(rows)
-    return StageResult(outputs={"rollouts": "rollouts.parquet"}, rows={"samples": len(rows)}, metrics=metrics)
+    return StageResult(outputs={"rollouts": ctx.write_output("rollouts", rows)}, rows={"samples": len(rows)}, metrics=metrics)

@@ -205,7 +205,8 @@ def sft_then_resumed_grpo(cfg, monkeypatch, uploaded: str | None = None):
     nothing in <grpo>/<uploaded>/ (tracker files reach the store with the stage's result only)."""
     from rlhf.core.store import ArtifactStore
     from rlhf.pipeline.runner import execute_stage
-    from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+    from rlhf.core.tables import METRICS_SCHEMA
+    from rlhf.train.training import CRASH_ENV, InjectedCrash
 
     store = ArtifactStore(cfg.storage)
     sft = execute_stage(cfg, "sft")

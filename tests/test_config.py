@@ -194,7 +194,8 @@ def test_rl_init_from_adds_its_stage_to_the_inputs_and_needs_it_enabled():
     way out."""
     from rlhf.core.registry import stage_inputs
 
-    assert stage_inputs(load_config(CONFIG), "grpo") == ["sft", "dpo"]  # the default profile's chain
+    # the default profile's chain: GRPO reads DPO's policy only (SFT's key is part of DPO's)
+    assert stage_inputs(load_config(CONFIG), "grpo") == ["dpo"]
     assert stage_inputs(load_config(CONFIG, overrides=["grpo.init_from=sft"]), "grpo") == ["sft"]
     with pytest.raises(ConfigError, match=r"grpo.init_from: 'dpo' needs dpo.enabled: true \(or grpo.init_from: sft\)"):
         load_config(CONFIG, overrides=["dpo.enabled=false", "eval.policies=[base,sft,grpo]"])

@@ -9,13 +9,12 @@ import torch
 from conftest import only
 from rlhf.core.models import load_causal_lm, load_tokenizer
 from rlhf.core.store import ArtifactStore
-from rlhf.data.pairs import PAIRS_SCHEMA
 from rlhf.data.tasks import Task
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.pipeline.runner import execute_stage
 from rlhf.train.dpo_rounds import round_problems
-from rlhf.train.refcache import REF_LOGPS_SCHEMA
-from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+from rlhf.train.training import CRASH_ENV, InjectedCrash
+from rlhf.core.tables import PAIRS_SCHEMA, REF_LOGPS_SCHEMA, METRICS_SCHEMA
 
 # 16 prompts a round, a fresh RL draw of 16 for round 2; tiny DPO: 6 steps a round, checkpoints every 3
 ROUNDS = [*only("sft", "preferences", "ref_logprobs", "dpo"), "dpo.rounds=2", "preferences.prompts=16",

@@ -10,10 +10,11 @@ from PIL import Image
 
 from conftest import only, run_cli
 from rlhf.core.config import EvalConfig, StorageConfig
-from rlhf.ops.results import SCHEMAS, QueryRefused, query
+from rlhf.ops.results import QueryRefused, query
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
 from stages.eval import battles, distinct, score_distinct
+from rlhf.core.tables import EVAL_SCHEMAS
 
 BASE_AND_SFT = (*only("sft", "eval"), "eval.policies=[base, sft]", "eval.judge=verifier")
 
@@ -58,7 +59,7 @@ def test_eval_stage_tables_chart_and_accumulating_views(tiny_cfg, tmp_path):
     assert m["rows"]["samples"] == 16 and m["rows"]["battles"] == 8 and m["rows"]["ratings"] == 2
     assert m["inputs"].keys() == {"sft"}
     store = ArtifactStore(cfg.storage)
-    for name, schema in SCHEMAS.items():
+    for name, schema in EVAL_SCHEMAS.items():
         store.read_table(store.stage_path("run-b", "eval", f"{name}.parquet"), schema)  # asserts the schema
     # the log-ratio to the reference (SFT): 0 on SFT's own samples, measured on base's
     drift = query(store, "select policy, min(log_ratio_to_ref) lo, max(log_ratio_to_ref) hi from samples "
@@ -93,7 +94,7 @@ def test_query_reads_results_from_s3(s3_env):
     store = ArtifactStore(StorageConfig(url=s3_env["url"]))
     rows = [{"run": "s3run", "judge": "verifier", "policy": p, "elo": e, "ci_low": e - 10, "ci_high": e + 10,
              "battles": 4, "accuracy": a} for p, e, a in (("base", 950.0, 0.2), ("sft", 1000.0, 0.6))]
-    store.write_table(store.stage_path("s3run", "eval", "ratings.parquet"), pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]), SCHEMAS["ratings"])
+    store.write_table(store.stage_path("s3run", "eval", "ratings.parquet"), pa.Table.from_pylist(rows, schema=EVAL_SCHEMAS["ratings"]), EVAL_SCHEMAS["ratings"])
     store.write_manifest("s3run", "eval", {"run": "s3run", "stage": "eval", "key": "e" * 64, "inputs": {}, "outputs": {},
                                            "rows": {}, "metrics": {}})
     out = query(store, "select policy, elo from ratings order by elo desc").to_pylist()

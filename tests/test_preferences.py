@@ -8,12 +8,13 @@ import pytest
 
 from conftest import only
 from rlhf.core.loader import ConfigError
-from rlhf.data.pairs import PAIRS_SCHEMA, build_pairs, contrast_pairs
+from rlhf.data.pairs import build_pairs, contrast_pairs
 from rlhf.core.registry import SPECS
 from rlhf.pipeline.preflight import predicted_keys
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
 from stages.reward_model import accuracy_by_length
+from rlhf.core.tables import PAIRS_SCHEMA
 
 PAIR_STAGES = ("sft", "preferences", "reward_model", "ref_logprobs", "dpo")
 
@@ -93,7 +94,7 @@ def test_contrast_pairs_train_the_reward_model_only(tiny_cfg):
     n_train = cfg.data.train_size
     assert prefs["rows"]["samples"] == len(samples) == (
         (n_train + cfg.preferences.eval_prompts) * cfg.preferences.samples_per_prompt + 2 * n_train)
-    assert set(prefs["outputs"]) == {*SPECS["preferences"].outputs, *SPECS["preferences"].optional_outputs}
+    assert set(prefs["outputs"]) == {a.name for a in SPECS["preferences"].outputs}  # contrast_pairs too
     assert len(contrast) == prefs["rows"]["contrast_pairs"] > 0
     assert len(contrast) + prefs["rows"]["contrast_pairs_unpaired"] == 2 * n_train
     for r in contrast:

@@ -10,8 +10,9 @@ import pytest
 
 from conftest import REPO, run_cli
 from rlhf.core.config import StorageConfig
-from rlhf.ops.results import SCHEMAS, QueryRefused, connect, query
+from rlhf.ops.results import QueryRefused, connect, query
 from rlhf.core.store import ArtifactStore
+from rlhf.core.tables import EVAL_SCHEMAS
 
 EVIL_RUN = "x']);COPY (SELECT 'injected' AS a) TO 'inj.csv';--"
 ATTACKS = [
@@ -40,7 +41,7 @@ def write_ratings(root, run: str) -> None:
     folder.mkdir(parents=True)
     rows = [{"run": run, "judge": "verifier", "policy": "sft", "elo": 1000.0, "ci_low": 990.0, "ci_high": 1010.0,
              "battles": 4, "accuracy": 0.5}]
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMAS["ratings"]), folder / "ratings.parquet")
+    pq.write_table(pa.Table.from_pylist(rows, schema=EVAL_SCHEMAS["ratings"]), folder / "ratings.parquet")
     (folder / "manifest.json").write_text('{"key": "k"}')
 
 
@@ -102,6 +103,6 @@ def test_describe_and_summarize_still_run(tmp_path):
     store = ArtifactStore(StorageConfig(url=str(tmp_path)))
     write_ratings(tmp_path, "good")
     assert "elo" in [r["column_name"] for r in query(store, "DESCRIBE ratings").to_pylist()]
-    assert query(store, "SUMMARIZE ratings").num_rows == len(SCHEMAS["ratings"])
+    assert query(store, "SUMMARIZE ratings").num_rows == len(EVAL_SCHEMAS["ratings"])
     # no run has a samples table: an empty view with the table's columns
     assert query(store, "SELECT count(*) AS n FROM samples").to_pylist() == [{"n": 0}]

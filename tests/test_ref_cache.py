@@ -18,7 +18,8 @@ from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from conftest import only
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
-from rlhf.train.refcache import REF_LOGPS_SCHEMA, BadPairs
+from rlhf.train.refcache import BadPairs
+from rlhf.core.tables import REF_LOGPS_SCHEMA
 
 CONV = [
     {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],

@@ -22,8 +22,9 @@ from rlhf.core.loader import ConfigError
 from rlhf.core.models import load_causal_lm
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
-from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
-from rlhf.train.rl_loop import EXPERIENCE_SCHEMA, RLGuardError
+from rlhf.train.training import CRASH_ENV, InjectedCrash
+from rlhf.train.rl_loop import RLGuardError
+from rlhf.core.tables import METRICS_SCHEMA, EXPERIENCE_SCHEMA, ROLLOUT_SCHEMA
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns is imported by 'module:function'
 
@@ -117,8 +118,6 @@ def test_the_guard_stops_on_a_nan_or_a_kl_above_the_limit_naming_the_iteration()
 
 
 def test_rollout_stage_writes_scored_samples(tiny_cfg):
-    from stages.rollout import ROLLOUT_SCHEMA
-
     cfg = tiny_cfg(*only("rollout"), "rollout.policy=base", "rollout.prompts=4", "rollout.n=3",
                    "rollout.temperature=1.0")
     m = execute_stage(cfg, "rollout")
@@ -428,7 +427,7 @@ def test_grpo_init_from_dpo_starts_from_the_dpo_policy(tiny_cfg, monkeypatch):
     monkeypatch.setattr(rl, "load_policy", lambda c, init, resume, m, seed: loaded.append(init) or real(c, init, resume, m, seed))
     grpo = execute_stage(cfg, "grpo")
     assert len(loaded) == 1 and Path(loaded[0]).parts[-2:] == ("dpo", "model")
-    assert grpo["inputs"]["dpo"] == dpo["key"] and "sft" in grpo["inputs"]
+    assert grpo["inputs"] == {"dpo": dpo["key"]}  # it reads DPO's policy, not SFT's (whose key is in DPO's)
 
 
 def test_grpo_rewarded_by_an_implicit_reward_model_gets_its_log_likelihoods(tiny_cfg):

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from conftest import only
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
-from rlhf.train.training import CRASH_ENV, METRICS_SCHEMA, InjectedCrash
+from rlhf.train.training import CRASH_ENV, InjectedCrash
+from rlhf.core.tables import METRICS_SCHEMA
 
 
 def metric_series(cfg, stage: str, name: str) -> list[tuple[int, float]]:

@@ -19,7 +19,7 @@ from rlhf.core.store import ArtifactStore
 from rlhf.cli import services
 from rlhf.cli.main import app
 from rlhf.pipeline.runner import execute_stage
-from rlhf.train.training import METRICS_SCHEMA
+from rlhf.core.tables import METRICS_SCHEMA
 
 TB = "tracking.backends=[tensorboard]"
 

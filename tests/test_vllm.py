@@ -29,8 +29,8 @@ from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
 from rlhf.data.tasks import Task, user
-from rlhf.train.training import METRICS_SCHEMA
 from rlhf.engines.vllm_engine import VLLMEngine, WeightSyncError
+from rlhf.core.tables import METRICS_SCHEMA
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns
 pytestmark = pytest.mark.slow

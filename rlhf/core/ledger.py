@@ -12,15 +12,7 @@ import time
 from importlib.metadata import distributions
 
 import psutil
-import pyarrow as pa
 
-LEDGER_SCHEMA = pa.schema([
-    pa.field("run", pa.string()), pa.field("stage", pa.string()), pa.field("key", pa.string()),
-    pa.field("started", pa.string()), pa.field("finished", pa.string()), pa.field("resumed_from_step", pa.int64()),
-    pa.field("wall_seconds", pa.float64()), pa.field("cpu_seconds", pa.float64()), pa.field("peak_rss_mb", pa.float64()),
-    pa.field("peak_gpu_mb", pa.float64()), pa.field("device", pa.string()), pa.field("packages_hash", pa.string()),
-    pa.field("tokens", pa.int64()), pa.field("samples", pa.int64()),
-])
 
 
 def packages_hash() -> str:

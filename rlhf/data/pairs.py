@@ -10,34 +10,12 @@ from __future__ import annotations
 import logging
 import random
 
-import pyarrow as pa
 from trl.data_utils import extract_prompt
 
 from rlhf.core.config import DataConfig
 from rlhf.data.sources import make_task
 from rlhf.data.userdata import load_rows
 
-_MESSAGES = pa.list_(pa.struct([pa.field("role", pa.string()), pa.field("content", pa.string())]))
-# On-policy pairs (stages/preferences.py): TRL's conversational preference format plus provenance.
-PAIRS_SCHEMA = pa.schema([
-    pa.field("pair_id", pa.string(), nullable=False),  # "<prompt id>:<chosen index>:<rejected index>"
-    pa.field("prompt", _MESSAGES),
-    pa.field("chosen", _MESSAGES),
-    pa.field("rejected", _MESSAGES),
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("chosen_index", pa.int64()),  # sample index of the chosen answer among the K
-    pa.field("rejected_index", pa.int64()),
-    pa.field("chosen_score", pa.float64()),  # the judge's scores
-    pa.field("rejected_score", pa.float64()),
-    pa.field("judge", pa.string()),  # verifier | function:<module:function> | reward_model:<path>
-    # whose samples: base | sft | dpo-round-<r> (DPO's later rounds) | sft+base (contrast pairs: the chosen
-    # index is among the policy's answers, the rejected index among the base model's)
-    pa.field("policy", pa.string()),
-    pa.field("policy_key", pa.string()),  # that policy's content key ("" for base)
-    pa.field("temperature", pa.float64()),
-    pa.field("top_p", pa.float64()),
-    pa.field("samples_per_prompt", pa.int64()),
-])
 
 
 def build_pairs(scores: list[float], mode: str = "best_worst") -> tuple[list[tuple[int, int]], int]:
@@ -90,16 +68,15 @@ def training_rows(pairs: list[dict]) -> list[dict]:
 
 def onpolicy_pairs(ctx, output: str = "pairs") -> list[dict]:
     """The preferences stage's pairs (`pairs` or `eval_pairs`) as training rows with pair_id."""
-    return training_rows(ctx.store.read_table(ctx.input_path("preferences", output), PAIRS_SCHEMA).to_pylist())
+    return training_rows(ctx.read_input(ctx.inputs.pairs, output).to_pylist())
 
 
 def stage_pairs(ctx, keep_margin: bool = False, contrast: bool = False) -> tuple[list[dict], int]:
     """The pairs a stage trains on: on-policy pairs when the preferences stage is its input (with
     `contrast`, also its policy-vs-base contrast pairs when it wrote them), else `preference_pairs` (a
     user file or the task's synthetic pairs)."""
-    if "preferences" in ctx.inputs:
-        extra = onpolicy_pairs(ctx, "contrast_pairs") if (
-            contrast and "contrast_pairs" in ctx.inputs["preferences"]["outputs"]) else []
+    if ctx.inputs.pairs:
+        extra = onpolicy_pairs(ctx, "contrast_pairs") if contrast and ctx.inputs.pairs.has("contrast_pairs") else []
         return onpolicy_pairs(ctx) + extra, 0
     return preference_pairs(ctx.cfg.data, ctx.log, keep_margin)
 

@@ -19,17 +19,8 @@ from datetime import datetime, timezone
 import pyarrow as pa
 
 from rlhf.engines.engine import Generation, SamplingParams
+from rlhf.core.tables import ANSWERS_SCHEMA
 
-ANSWERS_SCHEMA = pa.schema([
-    pa.field("prompt_index", pa.int64(), nullable=False),
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("sample_index", pa.int64(), nullable=False),
-    pa.field("response", pa.string()),
-    pa.field("response_ids", pa.list_(pa.int32())),
-    pa.field("logprobs", pa.list_(pa.float32())),
-    pa.field("finish_reason", pa.string()),
-    pa.field("verifier_score", pa.float64()),  # null for open-ended prompts (nothing to verify against)
-])
 KIND = "answers"
 
 

@@ -18,15 +18,11 @@ import sys
 import numpy as np
 import pyarrow as pa
 
-from rlhf.engines.answers import ANSWERS_SCHEMA, KIND
+from rlhf.engines.answers import KIND
 from rlhf.maths.bradley_terry import rate
 from rlhf.maths.style_control import rate_length_controlled
+from rlhf.core.tables import LEADERBOARD_SCHEMA, ANSWERS_SCHEMA
 
-S, F, I = pa.string(), pa.float64(), pa.int64()
-LEADERBOARD_SCHEMA = pa.schema([pa.field(n, t) for n, t in (
-    ("prompt_set", S), ("params", S), ("policy", S), ("run", S), ("elo", F), ("ci_low", F), ("ci_high", F),
-    ("lc_elo", F), ("lc_ci_low", F), ("lc_ci_high", F), ("length_coef", F), ("accuracy", F), ("answers", I),
-    ("battles", I))])
 TABLE = ("_leaderboard", "leaderboard.parquet")
 
 

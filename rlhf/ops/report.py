@@ -15,7 +15,7 @@ import pyarrow as pa
 from rlhf.core.registry import NAMES as STAGES, output_path
 from rlhf.core.manifest import ManifestError
 from rlhf.core.store import ATTEMPT, ArtifactStore
-from rlhf.train.training import METRICS_SCHEMA
+from rlhf.core.tables import METRICS_SCHEMA
 
 # Plotted first when present, in this order; other metrics follow up to MAX_PANELS per stage.
 PREFERRED = ("loss", "reward_mean", "kl", "rewards/margins", "rewards/accuracies", "accuracy", "clip_fraction",

@@ -24,9 +24,9 @@ import pyarrow.dataset as pads
 
 from rlhf.core.config import check_name
 from rlhf.core.registry import NAMES as STAGES
-from rlhf.core.ledger import LEDGER_SCHEMA, ledger_row
+from rlhf.core.ledger import ledger_row
 from rlhf.core.store import ArtifactStore
-from rlhf.data.schemas import SCHEMAS
+from rlhf.core.tables import LEADERBOARD_SCHEMA, LEDGER_SCHEMA, EVAL_SCHEMAS
 
 VIEWS = {"samples": "samples", "battles": "battles", "ratings": "ratings", "metrics": "metrics",
          "accuracy_diffs": "accuracy_diffs", "runs": "run"}
@@ -85,7 +85,7 @@ def eval_tables(store: ArtifactStore, runs: list[str], table: str) -> pads.Datas
     """One eval table of these runs in the current schema: files from older versions read the columns they
     lack as nulls (what union_by_name did)."""
     files = [store.stage_path(run, "eval", f"{table}.parquet") for run in runs]
-    return pads.dataset(files, schema=SCHEMAS[table], format="parquet", filesystem=store.fs)
+    return pads.dataset(files, schema=EVAL_SCHEMAS[table], format="parquet", filesystem=store.fs)
 
 
 def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
@@ -93,7 +93,7 @@ def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
     for view, table in VIEWS.items():
         con.register(view, eval_tables(store, completed_runs(store, table), table))
     con.register("ledger", ledger_table(store))
-    from rlhf.ops.leaderboard import LEADERBOARD_SCHEMA, TABLE  # written by `rlhf leaderboard`: empty until then
+    from rlhf.ops.leaderboard import TABLE  # written by `rlhf leaderboard`: empty until then
 
     board = store.path(*TABLE)
     con.register("leaderboard", pads.dataset([board] if store.fs.exists(board) else [], schema=LEADERBOARD_SCHEMA,

@@ -15,7 +15,7 @@ from rlhf.core import tracking
 from rlhf.core.config import PipelineConfig, TrackingConfig
 from rlhf.core.models import resolve_model
 from rlhf.core.registry import SPECS
-from rlhf.core.stage import StageContext
+from rlhf.core.stage import Inputs, StageContext
 from rlhf.core.store import ArtifactStore
 
 
@@ -23,9 +23,9 @@ class LaunchError(RuntimeError):
     pass
 
 
-def launch_spec(cfg: PipelineConfig, stage: str, key: str, inputs: dict) -> dict:
+def launch_spec(cfg: PipelineConfig, stage: str, key: str, inputs: Inputs) -> dict:
     """What every rank rebuilds its stage from (the launcher adds the rank's scratch folder)."""
-    return {"config": cfg.model_dump(mode="json"), "stage": stage, "key": key, "inputs": inputs}
+    return {"config": cfg.model_dump(mode="json"), "stage": stage, "key": key, "inputs": inputs.to_json()}
 
 
 def importable_path() -> str:
@@ -49,7 +49,7 @@ def rank_context(spec: dict) -> StageContext:
     """Config, store and stage context rebuilt from a launch spec (a rank's, or the Ray engine actor's)."""
     cfg = PipelineConfig.model_validate(spec["config"])
     stage = spec["stage"]
-    return StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], spec["inputs"], Path(spec["workdir"]),
+    return StageContext(cfg, ArtifactStore(cfg.storage), stage, spec["key"], Inputs.from_json(spec["inputs"]), Path(spec["workdir"]),
                         logging.getLogger(f"rlhf.{stage}"))
 
 

@@ -18,8 +18,8 @@ from importlib.metadata import PackageNotFoundError, version
 from rlhf.core import codehash, tracking
 from rlhf.core.config import PipelineConfig
 from rlhf.core.models import home
-from rlhf.core.registry import SPECS, locate, output_path, stage_inputs
-from rlhf.core.stage import StageContext, StageResult
+from rlhf.core.registry import SPECS, locate, output_path, role_stages
+from rlhf.core.stage import Inputs, StageContext, StageResult
 from rlhf.core.ledger import Meter
 from rlhf.core.resources import PeakRSS
 from rlhf.core.manifest import Manifest, ManifestError
@@ -52,15 +52,17 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def stage_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[dict[str, Manifest], str]:
-    """The stage's input manifests (each must be complete) and its content key."""
+def stage_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[Inputs, str]:
+    """The stage's inputs (each manifest must be complete) and its content key."""
     inputs, ident = inputs_and_identity(cfg, stage, store)
     return inputs, key_of(ident)
 
 
-def inputs_and_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[dict[str, Manifest], dict]:
-    inputs = {s: store.require_manifest(*locate(cfg.run.name, s)) for s in stage_inputs(cfg, stage)}
-    return inputs, identity(cfg, stage, {s: m["key"] for s, m in inputs.items()})
+def inputs_and_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[Inputs, dict]:
+    """The stage's inputs by role, as it receives them, and the identity its key hashes (their keys in it)."""
+    roles = SPECS[stage].inputs(cfg)
+    inputs = Inputs.build(roles, {s: store.require_manifest(*locate(cfg.run.name, s)) for s in role_stages(roles)})
+    return inputs, identity(cfg, stage, inputs.keys())
 
 
 def stage_workdir(cfg: PipelineConfig, stage: str, key: str) -> Path:
@@ -106,6 +108,8 @@ def execute_stage(cfg: PipelineConfig, stage: str, store: ArtifactStore | None =
         with PeakRSS() as rss, Meter() as meter, tracking.stage_tracker(cfg.tracking, workdir, run, stage, key) as tracker:
             tracker.text(f"{stage}/params", record)
             result: StageResult = run_stage(module, cfg.stage(stage), ctx)
+            if problems := SPECS[stage].output_problems(result.outputs):  # the registry's declaration is the contract
+                raise RuntimeError(f"stage {stage!r}: {'; '.join(problems)} (rlhf/core/registry.py declares its outputs)")
             tracker.final(result.metrics)
             tracker.text(f"{stage}/outputs", {n: store.url(output_path(store, run, stage, n, rel)) for n, rel in result.outputs.items()})
         for backend, folder in tracking.FOLDERS.items():  # before the manifest: a stage without one is incomplete

@@ -26,14 +26,15 @@ import torch
 
 from rlhf.core.config import DPOConfig
 from rlhf.core.store import CHECKPOINTS
-from rlhf.data.pairs import PAIRS_SCHEMA, training_rows
+from rlhf.data.pairs import training_rows
 from rlhf.data.tasks import Problem
 from rlhf.data.sources import PromptSource, make_task
 from rlhf.engines.engine import HFEngine
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
 from rlhf.train.onpolicy import make_judge, pair_rows, sample_and_judge
-from rlhf.train.refcache import REF_LOGPS_SCHEMA, TABLE, ref_table, screen
-from rlhf.train.training import METRICS_SCHEMA, held_out_accuracy, publish_model, write_metrics
+from rlhf.train.refcache import TABLE, ref_table, screen
+from rlhf.train.training import held_out_accuracy, publish_model, write_metrics
+from rlhf.core.tables import PAIRS_SCHEMA, REF_LOGPS_SCHEMA, METRICS_SCHEMA
 
 ROUNDS = "rounds"
 ROUND_FIELDS = ("pairs", "ties", "score_mean", "steps", "accuracy")  # reported as dpo/round_<r>/<field>

@@ -15,19 +15,8 @@ import pyarrow as pa
 
 from rlhf.core import codehash, fingerprint
 from rlhf.engines.logprobs import TokenizedPair, length_problem
+from rlhf.core.tables import REF_LOGPS_SCHEMA
 
-REF_LOGPS_SCHEMA = pa.schema(
-    [
-        pa.field("pair_id", pa.string(), nullable=False),
-        pa.field("ref_chosen_logps", pa.float64(), nullable=False),
-        pa.field("ref_rejected_logps", pa.float64(), nullable=False),
-        pa.field("prompt_tokens", pa.int32(), nullable=False),
-        pa.field("chosen_tokens", pa.int32(), nullable=False),
-        pa.field("rejected_tokens", pa.int32(), nullable=False),
-        pa.field("ref_chosen_token_logps", pa.list_(pa.float32())),  # null unless per_token
-        pa.field("ref_rejected_token_logps", pa.list_(pa.float32())),
-    ]
-)
 TABLE = "ref_logps.parquet"
 
 

@@ -40,9 +40,9 @@ from rlhf.train.rewards import load_reward_model, reward_model_scores, reward_te
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import assistant
 from rlhf.data.sources import PromptSource, make_task
+from rlhf.core.tables import EXPERIENCE_SCHEMA, METRICS_SCHEMA
 from rlhf.train.training import (
     CRASH_ENV,
-    METRICS_SCHEMA,
     InjectedCrash,
     fetch_model,
     latest_checkpoint,
@@ -52,22 +52,6 @@ from rlhf.train.training import (
     store_checkpoint,
     write_metrics,
 )
-
-EXPERIENCE_SCHEMA = pa.schema([
-    pa.field("iteration", pa.int64(), nullable=False),
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("sample_index", pa.int64(), nullable=False),
-    pa.field("prompt", pa.string()),
-    pa.field("response", pa.string()),
-    pa.field("response_ids", pa.list_(pa.int32())),
-    pa.field("logp_rollout", pa.list_(pa.float32())),
-    pa.field("logp_old", pa.list_(pa.float32())),
-    pa.field("logp_ref", pa.list_(pa.float32())),  # null when no reference model is used (beta 0)
-    pa.field("reward", pa.float64()),  # the weighted sum of the terms below
-    pa.field("rewards", pa.map_(pa.string(), pa.float64())),  # each reward term's value, by name
-    pa.field("advantage", pa.float64()),  # mean over the response tokens
-    pa.field("finish_reason", pa.string()),
-])
 
 
 class RLGuardError(RuntimeError):
@@ -233,7 +217,7 @@ class Step:
 
 # ---- rewards ----------------------------------------------------------------------------------------
 def stage_reward_model(ctx: StageContext):
-    model, tokenizer = load_reward_model(fetch_model(ctx, "reward_model"), ctx.cfg.model.dtype)
+    model, tokenizer = load_reward_model(fetch_model(ctx, ctx.inputs.reward_model), ctx.cfg.model.dtype)
     return model.to(ctx_device()), tokenizer
 
 
@@ -307,7 +291,7 @@ def guard(algo: str, it: int, name: str, value: float, limit: float | None = Non
 # ---- the loop ---------------------------------------------------------------------------------------
 def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     spec, pcfg, roll = ALGORITHMS[algo], ctx.cfg, ctx.cfg.rollout
-    init = start_model(ctx, cfg.init_from)
+    init = start_model(ctx)
     found = latest_checkpoint(ctx)
     resume = found[1] if found else None
     tok = load_tokenizer(init)
@@ -322,7 +306,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     if spec.critic:
         from transformers import AutoModelForTokenClassification
 
-        base = fetch_model(ctx, "reward_model") if cfg.critic_init == "reward_model" else init
+        base = fetch_model(ctx, ctx.inputs.reward_model) if cfg.critic_init == "reward_model" else init
         torch.manual_seed(pcfg.run.seed)  # the value head is randomly initialised: the same seed, the same head
         critic = AutoModelForTokenClassification.from_pretrained(str(resume / "critic") if resume else base, num_labels=1,
                                                                  dtype=torch_dtype(weights_dtype(pcfg.model, True))).to(device)
@@ -512,7 +496,7 @@ def engine_host(cfg, ctx: StageContext):
     """What the engine actor of `launch.ray.engine: own` runs (rlhf/pipeline/ray_launch.py): a copy of the
     policy as the RL loop builds it and the configured engine over it. Returns (engine, policy copy, the
     mixed-precision context); the trainer's weights arrive by sync before the first sample."""
-    init = start_model(ctx, cfg.init_from)
+    init = start_model(ctx)
     tok = load_tokenizer(init)
     policy = load_policy(cfg, init, None, ctx.cfg.model, ctx.cfg.run.seed).to(ctx_device()).eval().requires_grad_(False)
     task = make_task(ctx.cfg.data)
@@ -529,7 +513,7 @@ class LocalScorers:
     def __init__(self, cfg, ctx: StageContext, init: str | None = None):
         frozen = cfg.frozen_models()
         if init is None and "reference" in frozen:
-            init = start_model(ctx, cfg.init_from)
+            init = start_model(ctx)
         self.device = ctx_device()
         self.ref = (load_causal_lm(init, ctx.cfg.model).to(self.device).eval().requires_grad_(False)
                     if "reference" in frozen else None)

@@ -27,18 +27,10 @@ from transformers.trainer_callback import PrinterCallback
 from rlhf.core import dist, progress, tracking
 from rlhf.core.config import LaunchConfig, TrainerOptions
 from rlhf.core.models import resolve_model
+from rlhf.core.stage import Input
 from rlhf.core.store import CHECKPOINTS, COMPLETE
+from rlhf.core.tables import METRICS_SCHEMA
 
-# Long format so DuckDB can pivot any metric: one row per (step, metric).
-METRICS_SCHEMA = pa.schema(
-    [
-        pa.field("stage", pa.string(), nullable=False),
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("epoch", pa.float64()),
-        pa.field("name", pa.string(), nullable=False),
-        pa.field("value", pa.float64()),
-    ]
-)
 # Test hook: RLHF_TEST_CRASH_AT="<stage>:<step>" raises at the end of that optimizer step, emulating a
 # crash between checkpoints. Used by tests/test_distributed.py; never set in normal runs.
 CRASH_ENV = "RLHF_TEST_CRASH_AT"
@@ -245,31 +237,29 @@ def publish_model(ctx, model, tokenizer, name: str = "model") -> str:
     return name
 
 
-def fetch_model(ctx, stage: str, output: str = "model") -> str:
+def fetch_model(ctx, source: Input, output: str = "model") -> str:
     """A local folder with an input stage's model: the store's own folder when the store is local (read
     only, never copied), else a download into scratch (S3)."""
     if ctx.store.is_local:
-        return ctx.input_path(stage, output)
-    local = ctx.workdir / "inputs" / stage
+        return ctx.input_path(source, output)
+    local = ctx.workdir / "inputs" / source.stage
     if dist.is_local_main():  # one download per node, into the scratch its ranks share
         shutil.rmtree(local, ignore_errors=True)
-        ctx.store.get_dir(ctx.input_path(stage, output), local)
+        ctx.store.get_dir(ctx.input_path(source, output), local)
     dist.barrier()
     return str(local)
 
 
-def start_model(ctx, init_from: str = "sft") -> str:
-    """The model a policy-training stage starts from (and, for DPO, KTO and RL, its reference): SFT's
-    when the sft stage ran, else the configured base model; an RL stage's `init_from` stage (dpo, kto)
-    when it names one."""
-    if init_from != "sft":
-        return fetch_model(ctx, init_from)
-    return fetch_model(ctx, "sft") if "sft" in ctx.inputs else resolve_model(ctx.cfg.model)
+def start_model(ctx) -> str:
+    """The model a training stage starts from (and, for DPO, KTO and RL, its reference): its `start` input
+    (SFT's model when that stage runs; an RL stage's `init_from` stage), else the configured base model."""
+    return fetch_model(ctx, ctx.inputs.start) if ctx.inputs.start else resolve_model(ctx.cfg.model)
 
 
 def write_metrics(ctx, table: pa.Table, name: str = "metrics.parquet") -> str:
+    """The stage's curves (its declared `metrics` table), or with `name` a DPO round's."""
     if dist.is_main():
-        ctx.store.write_table(ctx.path(name), table, METRICS_SCHEMA)
+        ctx.write_output("metrics", table, name)
     return name
 
 
