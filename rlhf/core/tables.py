@@ -83,15 +83,18 @@ KTO_REF_SCHEMA = pa.schema(
     ]
 )
 
-# ---- ppo, grpo: one table per iteration ----------------------------------------------------------------
-EXPERIENCE_SCHEMA = pa.schema([
-    pa.field("iteration", pa.int64(), nullable=False),
+# ---- ppo, grpo (one table per iteration) and rollout: sampled answers ---------------------------------
+_SAMPLE = [
     pa.field("prompt_id", pa.string(), nullable=False),
     pa.field("sample_index", pa.int64(), nullable=False),
     pa.field("prompt", pa.string()),
     pa.field("response", pa.string()),
     pa.field("response_ids", pa.list_(pa.int32())),
     pa.field("logp_rollout", pa.list_(pa.float32())),
+]
+EXPERIENCE_SCHEMA = pa.schema([
+    pa.field("iteration", pa.int64(), nullable=False),
+    *_SAMPLE,
     pa.field("logp_old", pa.list_(pa.float32())),
     pa.field("logp_ref", pa.list_(pa.float32())),  # null when no reference model is used (beta 0)
     pa.field("reward", pa.float64()),  # the weighted sum of the terms below
@@ -99,19 +102,7 @@ EXPERIENCE_SCHEMA = pa.schema([
     pa.field("advantage", pa.float64()),  # mean over the response tokens
     pa.field("finish_reason", pa.string()),
 ])
-
-# ---- rollout -------------------------------------------------------------------------------------------
-ROLLOUT_SCHEMA = pa.schema([
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("sample_index", pa.int64(), nullable=False),
-    pa.field("prompt", pa.string()),
-    pa.field("response", pa.string()),
-    # the same columns as the RL loop's experience, named the same way
-    pa.field("response_ids", pa.list_(pa.int32())),
-    pa.field("logp_rollout", pa.list_(pa.float32())),
-    pa.field("finish_reason", pa.string()),
-    pa.field("reward", pa.float64()),
-])
+ROLLOUT_SCHEMA = pa.schema([*_SAMPLE, pa.field("finish_reason", pa.string()), pa.field("reward", pa.float64())])
 
 # ---- eval: the tables `rlhf query` exposes as DuckDB views ---------------------------------------------
 EVAL_SCHEMAS = {
