@@ -40,7 +40,7 @@ from rlhf.train.rewards import load_reward_model, reward_model_scores, reward_te
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import assistant
 from rlhf.data.sources import PromptSource, make_task
-from rlhf.core.tables import EXPERIENCE_SCHEMA, METRICS_SCHEMA
+from rlhf.core.tables import METRICS_SCHEMA
 from rlhf.train.training import (
     CRASH_ENV,
     InjectedCrash,
@@ -633,7 +633,7 @@ def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -
         "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]), "rewards": list(g.rewards.items()),
         "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
     } for i, g in enumerate(gens)]
-    ctx.store.write_table(ctx.path("experience", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(rows, schema=EXPERIENCE_SCHEMA), EXPERIENCE_SCHEMA)
+    ctx.write_output("experience", rows, f"experience/iter-{it:06d}.parquet")  # one file of the declared folder
     write_metrics_row(ctx, it, algo, metrics)
 
 
