@@ -93,8 +93,10 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
 
 
 def keep_answers(ctx: StageContext, cfg: EvalConfig, problems, gens: dict, scores, new: dict[str, str]) -> None:
-    """Writes the answers generated here into the store's cache, with their verifier scores."""
+    """Writes the answers generated here into the store's cache, with their verifier scores, and the prompts'
+    text once per prompt set (for a judge that reads the question: `rlhf leaderboard --judge-model`)."""
     prompts = [p.messages() for p in problems]
+    answers.keep_prompts(ctx.store, prompts)
     for policy, key in new.items():
         label = policy_identity(ctx, policy)[0]
         values = [float(v) for v in scores[policy]] if scores else [None] * len(gens[policy])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import json
 import re
 import shlex
 import time
@@ -100,6 +101,13 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
         proc = run_cli(*argv, "--set", f"storage.url={store_url}")
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[0].split() == header.split(), (proc.stdout, header)
+
+    # The run's own reward model judges the kept answers on the cross-run leaderboard, beside the verifier.
+    board = run_cli("leaderboard", "--format", "json", "--rounds", "50", "--judge-model", "flowtest/reward_model",
+                    "--set", f"storage.url={store_url}")
+    assert board.returncode == 0, board.stderr
+    assert {r["judge"] for r in json.loads(board.stdout)} == {"verifier", "reward_model:flowtest/reward_model"}
+    assert int(re.search(r"(\d+) answers scored, 0 reused", board.stderr).group(1)) > 0, board.stderr
 
 
 def test_run_refuses_bad_config_before_any_work(tmp_path):

@@ -13,7 +13,10 @@ from conftest import CONFIG, run_cli
 from rlhf.core.config import StorageConfig, TinyModelConfig
 from rlhf.core.models import tiny_model_dir
 from rlhf.core.store import ArtifactStore
+from rlhf.engines import answers
+from rlhf.engines.engine import Generation
 from rlhf.ops import leaderboard
+from rlhf.train.rewards import reward_model_scores
 
 OFF = ["preferences.enabled=false", "reward_model.enabled=false", "ref_logprobs.enabled=false", "dpo.enabled=false",
        "grpo.enabled=false", "eval.enabled=true", "eval.judge=verifier"]
@@ -53,6 +56,16 @@ def test_three_runs_one_leaderboard_and_a_fourth_policy_generates_only_its_answe
                       "SELECT policy, lc_elo, accuracy FROM leaderboard ORDER BY policy")
     assert [r["policy"] for r in json.loads(queried.stdout)] == sorted(r["policy"] for r in rows)
 
+    # a model as the judge too: every kept answer scored once, then reused
+    judged = [run_cli("leaderboard", "--format", "json", "--rounds", "100", "--judge-model", f"model:{other}",
+                      *sets(f"storage.url={store}")) for _ in range(2)]
+    assert all(j.returncode == 0 for j in judged), judged[0].stderr
+    assert "32 answers scored, 0 reused" in judged[0].stderr and "0 answers scored, 32 reused" in judged[1].stderr
+    rows = json.loads(judged[1].stdout)
+    assert {(r["judge"], r["policy"]) for r in rows} == {(j, r["policy"]) for j in ("verifier", f"reward_model:{other}")
+                                                         for r in rows}
+    assert len(rows) == 8
+
 
 @pytest.mark.parametrize("policy, expected", [
     ("nope/sft", "eval.policies: 'nope/sft': run 'nope' has no complete sft stage in the store"),
@@ -80,5 +93,63 @@ def test_entries_are_checked_and_a_shared_name_keeps_both(tmp_path):
     found = leaderboard.entries(store)
     assert {e["key"][0] for e in found} == {"a", "b", "c", "e"}  # d is skipped
     grouped = leaderboard.groups(found)
-    [(_, members)] = grouped.items()  # open-ended (unverified) answers are not rated
-    assert [m["policy"] for m in members] == ["base:m", "r/sft@aaaaaaaa", "r/sft@bbbbbbbb"]
+    [(_, members)] = grouped.items()
+    assert [m["policy"] for m in members] == ["base:m", "r/sft@aaaaaaaa", "r/sft@bbbbbbbb", "x"]
+
+
+PROMPTS = [[{"role": "user", "content": f"Tell me about {i}."}] for i in range(4)]
+
+
+def keep(store, key: str, policy: str, texts: list[str], verified: bool = False) -> None:
+    """An answers entry as the eval stage writes it (the tokens are the texts' lengths: only counts matter)."""
+    gens = [Generation(i, 0, list(range(1, 2 + len(t) // 4)), [0.0], t, "stop") for i, t in enumerate(texts)]
+    answers.write(store, key, gens, [1.0 if verified and "yes" in t else 0.0 if verified else None for t in texts],
+                  [f"p{i}" for i in range(len(texts))], {"policy": policy, "run": "r", "prompt_set": answers.prompt_set(PROMPTS),
+                                                         "params": {"n": 1}, "verified": verified})
+
+
+def test_a_reward_model_judges_open_ended_answers_across_entries_and_scores_each_answer_once(tmp_path, capsys):
+    store = ArtifactStore(StorageConfig(url=str(tmp_path)))
+    keep(store, "a" * 64, "short", ["No.", "Yes.", "Hm.", "Ok."])
+    keep(store, "b" * 64, "long", [f"{i} is a number with a long and friendly story behind it." for i in range(4)])
+    judge = leaderboard.load_judge(store, f"model:{tiny_model_dir(TinyModelConfig())}", "float32")
+    table = leaderboard.build(store, rounds=50, judge=judge)
+    assert "no text of its prompts" in capsys.readouterr().err and table.num_rows == 0  # not kept yet: not judged
+
+    assert answers.keep_prompts(store, PROMPTS) == answers.prompt_set(PROMPTS)
+    rows = leaderboard.build(store, rounds=50, judge=judge).to_pylist()
+    assert {r["policy"] for r in rows} == {"short", "long"} and {r["judge"] for r in rows} == {judge.name}
+    assert all(r["accuracy"] is None and r["answers"] == 4 and r["battles"] == 4 for r in rows)
+    assert judge.counts == {"scored": 8, "reused": 0}
+    # the kept rewards are the reward model's own scores of (prompt, answer), and decide the battles
+    want = reward_model_scores(judge.model, judge.tokenizer, [p + [{"role": "assistant", "content": t}] for p, t in zip(
+        PROMPTS, [f"{i} is a number with a long and friendly story behind it." for i in range(4)])])
+    got = store.read_json(leaderboard.judged_path(store, judge, "b" * 64))["rewards"]
+    assert got == pytest.approx(want, rel=1e-5)
+    short = store.read_json(leaderboard.judged_path(store, judge, "a" * 64))["rewards"]
+    wins = sum(g > s for g, s in zip(got, short)) + 0.5 * sum(g == s for g, s in zip(got, short))
+    by = {r["policy"]: r for r in rows}
+    assert (by["long"]["elo"] > by["short"]["elo"]) == (wins > 2) or wins == 2
+
+    keep(store, "c" * 64, "third", ["Four.", "Five.", "Six.", "Seven."])  # a third policy: only its answers scored
+    rows = leaderboard.build(store, rounds=50, judge=judge).to_pylist()
+    assert judge.counts == {"scored": 12, "reused": 8} and {r["policy"] for r in rows} == {"short", "long", "third"}
+
+    # a prompts file that is not the set it names (edited in a shared store) is not used
+    store.write_json(answers.prompts_path(store, answers.prompt_set(PROMPTS)), {"prompts": PROMPTS[:3]})
+    assert leaderboard.build(store, rounds=50, judge=judge).num_rows == 0
+    # and the verifier alone does not rate open-ended answers, and says how to
+    assert leaderboard.build(store, rounds=50).num_rows == 0 and "--judge-model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("nope/reward_model", "run 'nope' has no complete reward_model stage in the store"),
+    ("a/sft", "expected <run>/reward_model"),
+    ("../x/reward_model", "invalid run name '../x'"),
+    ("model:/no/such/folder", "no model folder there"),
+    ("model:a b", "without spaces or control characters"),
+])
+def test_a_judge_that_does_not_exist_is_refused(tmp_path, spec, expected):
+    proc = run_cli("leaderboard", "--judge-model", spec, *sets(f"storage.url={tmp_path / 'store'}"))
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -119,6 +119,27 @@ def test_a_stage_result_with_an_undeclared_output_writes_no_manifest(tmp_path, m
     assert ArtifactStore(cfg.storage).read_manifest(cfg.run.name, "sft") is None
 
 
+def test_an_input_whose_manifest_lacks_a_declared_output_is_named_before_the_stage(tmp_path):
+    """A manifest read back from a shared store (or written by an older version) without an output its stage
+    declares: the runner names the file and the output, rather than a KeyError inside the next stage."""
+    import rlhf.pipeline.runner as runner
+    from rlhf.core.manifest import ManifestError
+
+    cfg = load_config(CONFIG, "tiny", [f"storage.url={tmp_path / 'artifacts'}", *only("sft", "eval"),
+                                       "eval.policies=[base, sft]", "eval.judge=verifier"])
+    store = ArtifactStore(cfg.storage)
+    store.write_manifest(cfg.run.name, "sft", {**manifest("sft", "a" * 64, {"metrics": "metrics.parquet"}), "run": cfg.run.name})
+    with pytest.raises(ManifestError, match=r"sft/manifest.json: output 'model' is missing \(stage 'sft' of run"):
+        runner.inputs_and_identity(cfg, "eval", store)
+    # another run's stage as an eval policy: `rlhf validate` names it before anything runs
+    from rlhf.pipeline.preflight import policy_problems
+
+    other = load_config(CONFIG, "tiny", [f"storage.url={tmp_path / 'artifacts'}", *only("sft", "eval"), "run.name=b", "eval.judge=verifier",
+                                         f"eval.policies=[sft, {cfg.run.name}/sft]"])
+    assert policy_problems(other, store) == [f"eval.policies: '{cfg.run.name}/sft': its manifest lists no model output "
+                                             f"({store.url(store.stage_path(cfg.run.name, 'sft'))})"]
+
+
 def test_no_stage_probes_its_inputs_as_a_mapping():
     """Stages and the libraries they call read `ctx.inputs.<role>`, never `"x" in ctx.inputs` or
     `ctx.inputs["x"]`: what a stage reads is what its spec declares (and what its key hashes)."""

@@ -339,20 +339,36 @@ def leaderboard(
     set_: SetOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json")] = "table",
     rounds: Annotated[int, typer.Option(min=10, max=100_000, help="bootstrap rounds for the intervals")] = 1000,
+    judge_model: Annotated[Optional[str], typer.Option(
+        "--judge-model", help="also judge by a reward model: <run>/reward_model or model:<hub id or folder>; "
+                              "the only judge of open-ended prompt sets")] = None,
 ) -> None:
     """Rate every policy whose answers the store keeps, across runs and models, on each shared prompt set:
     Elo with 95% intervals, length-controlled Elo, accuracy. Also written to the store for `rlhf query`
     (the `leaderboard` view)."""
     _check_format(fmt)
     cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    from rlhf.ops.leaderboard import judge_problem
+
+    if judge_model is not None and (problem := judge_problem(judge_model)):
+        typer.echo(problem, err=True)
+        raise typer.Exit(2)
     from rlhf.core.store import ArtifactStore, StorageError
-    from rlhf.ops.leaderboard import build
+    from rlhf.ops.leaderboard import build, load_judge
 
     try:
-        table = build(ArtifactStore(cfg.storage), rounds)
+        store = ArtifactStore(cfg.storage)
+        try:
+            judge = None if judge_model is None else load_judge(store, judge_model, cfg.model.dtype)
+        except (ValueError, OSError) as e:  # a judge that does not exist or does not load as a reward model
+            typer.echo(str(e).splitlines()[0][:500], err=True)
+            raise typer.Exit(2) from None
+        table = build(store, rounds, judge=judge)
     except StorageError as e:
         typer.echo(f"storage: {e}", err=True)
         raise typer.Exit(2) from None
+    if judge is not None:
+        typer.echo(f"{judge.name}: {judge.counts['scored']} answers scored, {judge.counts['reused']} reused", err=True)
     if table.num_rows == 0:
         typer.echo("no prompt set with answers of two or more policies in the store yet: run an eval first", err=True)
     show(table, fmt)

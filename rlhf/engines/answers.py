@@ -8,6 +8,10 @@ is seeded by its index), the verifier that scored them, and the generating code 
 it imports. `answers.parquet` holds one row per answer; `manifest.json`, written last, names the policy,
 the run that generated it, the prompt set (a digest of the prompts: what the leaderboard groups by) and
 the counts. An entry without a manifest is incomplete and never read.
+
+The prompts themselves are kept once per prompt set, `<root>/_cache/prompt_sets/<digest>.json`, so a judge
+that reads the question (a reward model rating answers across runs) can score answers it did not see
+generated. The digest is recomputed on read: a file whose prompts are not the set it names is not used.
 """
 
 from __future__ import annotations
@@ -22,11 +26,38 @@ from rlhf.engines.engine import Generation, SamplingParams
 from rlhf.core.tables import ANSWERS_SCHEMA
 
 KIND = "answers"
+ROLES = ("system", "user", "assistant")
 
 
 def prompt_set(prompts: list[list[dict]]) -> str:
     """A digest of the prompts in order: the same prompts, the same set, whichever run or file gave them."""
     return hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prompts_path(store, digest: str) -> str:
+    return store.path("_cache", "prompt_sets", f"{digest}.json")
+
+
+def keep_prompts(store, prompts: list[list[dict]]) -> str:
+    """Stores the prompt set's text once (idempotent: the same digest is the same content)."""
+    digest = prompt_set(prompts)
+    if store.read_json(prompts_path(store, digest)) is None:
+        store.write_json(prompts_path(store, digest), {"prompts": prompts})
+    return digest
+
+
+def read_prompts(store, digest: str) -> list[list[dict]] | None:
+    """The prompt set's messages, or None when the store has no text for it or the text is not that set."""
+    try:
+        obj = store.read_json(prompts_path(store, digest))
+    except (ValueError, RecursionError):
+        return None
+    prompts = obj.get("prompts") if isinstance(obj, dict) else None
+    ok = isinstance(prompts, list) and all(
+        isinstance(p, list) and p and all(isinstance(m, dict) and set(m) == {"role", "content"}
+                                          and m["role"] in ROLES and isinstance(m["content"], str) for m in p)
+        for p in prompts)
+    return prompts if ok and prompt_set(prompts) == digest else None
 
 
 def answers_key(weights: dict, prompts: list[list[dict]], params: SamplingParams, batch_size: int, verifier: str,

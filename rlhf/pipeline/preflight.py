@@ -38,6 +38,9 @@ def external_key(cfg: PipelineConfig, store, name: str) -> str:
     if manifest is None:
         raise ValueError(f"eval.policies: {name!r}: run {run!r} has no complete {stage} stage in the store"
                          + ("" if store is None else f" ({store.url(store.stage_path(run, stage))})"))
+    if "model" not in manifest["outputs"]:  # what an evaluated policy is read from
+        raise ValueError(f"eval.policies: {name!r}: its manifest lists no model output "
+                         f"({store.url(store.stage_path(run, stage))})")
     return manifest["key"]
 
 

@@ -23,7 +23,7 @@ from rlhf.core.stage import Inputs, StageContext, StageResult
 from rlhf.core.ledger import Meter
 from rlhf.core.resources import PeakRSS
 from rlhf.core.manifest import Manifest, ManifestError
-from rlhf.core.store import ATTEMPT, CHECKPOINTS, ArtifactStore, StorageError
+from rlhf.core.store import ATTEMPT, CHECKPOINTS, MANIFEST, ArtifactStore, StorageError
 from rlhf.pipeline.identity import identity, key_of
 from rlhf.pipeline.launch import run_stage
 
@@ -61,8 +61,20 @@ def stage_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tup
 def inputs_and_identity(cfg: PipelineConfig, stage: str, store: ArtifactStore) -> tuple[Inputs, dict]:
     """The stage's inputs by role, as it receives them, and the identity its key hashes (their keys in it)."""
     roles = SPECS[stage].inputs(cfg)
-    inputs = Inputs.build(roles, {s: store.require_manifest(*locate(cfg.run.name, s)) for s in role_stages(roles)})
+    inputs = Inputs.build(roles, {s: input_manifest(cfg, store, s) for s in role_stages(roles)})
     return inputs, identity(cfg, stage, inputs.keys())
+
+
+def input_manifest(cfg: PipelineConfig, store: ArtifactStore, stage: str) -> Manifest:
+    """An input stage's complete manifest, with every output its spec requires (one read back from a shared
+    store, or written by an older version, may lack one: named here, not a KeyError inside the stage)."""
+    run, name = locate(cfg.run.name, stage)
+    manifest = store.require_manifest(run, name)
+    missing = [p for p in SPECS[name].output_problems(manifest["outputs"]) if p.endswith("is missing")]
+    if missing:
+        raise ManifestError(f"{store.url(store.stage_path(run, name, MANIFEST))}: {'; '.join(missing)} "
+                            f"(stage {name!r} of run {run!r} declares it); rerun that stage")
+    return manifest
 
 
 def stage_workdir(cfg: PipelineConfig, stage: str, key: str) -> Path:
