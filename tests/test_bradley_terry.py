@@ -163,3 +163,15 @@ def test_bad_battles_are_refused_naming_the_problem(a, b, score, anchor, message
         rate(np.array(a, int), np.array(b, int), np.array(score, float), ["x", "y"], anchor, rounds=10)
     with pytest.raises(ValueError, match="same non-empty prompts"):
         paired_accuracy_diff(np.array([]), np.array([]))
+
+
+def test_wilson_interval_by_hand():
+    from rlhf.maths.bradley_terry import wilson_interval
+
+    # 2 of 119: p = 0.0168, centre (p + z^2/2n) / (1 + z^2/n) = 0.0319, half-width 0.0273
+    lo, hi = wilson_interval(2, 119)
+    assert lo == pytest.approx(0.00462, abs=5e-5) and hi == pytest.approx(0.05917, abs=5e-5)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == pytest.approx(1.0)
+    assert wilson_interval(0, 10)[1] == pytest.approx(3.8415 / 13.8415, abs=1e-4)  # z^2 / (n + z^2) at 0 successes
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)

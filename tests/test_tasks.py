@@ -101,6 +101,23 @@ def test_worked_solutions_by_hand_and_verified_for_every_problem():
         DataConfig(task="reasoning_gym:basic_arithmetic", answer_format="worked")
 
 
+def test_calculator_solutions_call_the_tool_on_the_expression_and_verify():
+    from rlhf.data.tasks import Problem, calculator_solution
+    from rlhf.envs.calculator import Calculator
+
+    q = "State the final answer to the following arithmetic problem: 15 - 43 + 7 ="
+    assert calculator_solution(Problem("t", q, "-21", {})) == "<calc>15 - 43 + 7</calc><result>-21</result> The answer is -21."
+    task = Task(DataConfig(train_size=100, eval_size=10, answer_format="calculator",
+                           task_params={"min_terms": 5, "max_terms": 5, "min_digits": 3, "max_digits": 3}))
+    calc = Calculator()
+    calc.reset({})
+    for row, p in zip(task.sft_rows(), task.train):
+        reply = row["completion"][0]["content"]
+        call, rest = reply.split("</calc>")
+        assert calc.step(call + "</calc>")[0] == rest.split(" The")[0]  # the tool's result is the demonstration's
+        assert task.score(reply, p) == 1.0
+
+
 def test_system_prompt_reaches_every_prompt_and_the_chat_template():
     """data.system_prompt: null keeps the chat template's own system turn (SmolLM2's 16 tokens), "" writes
     an empty one, and every split's prompts, demonstrations and pairs carry it."""

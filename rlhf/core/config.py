@@ -129,8 +129,10 @@ class DataConfig(Strict):
     # fail: stop at the first bad row, naming it; drop: skip bad rows and count them
     on_bad_row: Literal["fail", "drop"] = "fail"
     # SFT demonstrations: the bare answer (direct), or a worked solution that splits each step into tens
-    # and units before the answer (worked; chain_sum only): room to reason before the answer
-    answer_format: Literal["direct", "worked"] = "direct"
+    # and units before the answer (worked; chain_sum only): room to reason before the answer; or a call to
+    # the calculator tool on the expression, then its result (calculator; chain_sum only; for
+    # grpo.environment: calculator)
+    answer_format: Literal["direct", "worked", "calculator"] = "direct"
     # the system turn of every task prompt; null: the chat template's own (SmolLM2's is 16 tokens,
     # "You are a helpful AI assistant named SmolLM, trained by Hugging Face"); "": an empty one. Users' data
     # files keep their own conversations
@@ -166,8 +168,9 @@ class DataConfig(Strict):
 
     @model_validator(mode="after")
     def _format(self) -> DataConfig:
-        if self.answer_format == "worked" and (self.task != "reasoning_gym:chain_sum" or self.prompts_path):
-            raise ValueError(f"answer_format: 'worked' solutions exist for reasoning_gym:chain_sum only, got task {self.task!r}")
+        if self.answer_format != "direct" and (self.task != "reasoning_gym:chain_sum" or self.prompts_path):
+            raise ValueError(f"answer_format: {self.answer_format!r} solutions exist for reasoning_gym:chain_sum only, "
+                             f"got task {self.task!r}")
         if self.eval_prompts_path and not self.prompts_path:
             raise ValueError("eval_prompts_path: held-out prompts go with data.prompts_path (the training prompts)")
         if self.completion_column and not self.prompts_path:
@@ -760,6 +763,22 @@ class PPOConfig(RLOptions):
         return self.kl.beta > 0 or self.kl.mode == "adaptive"  # the KL penalty, or a controller that may raise it
 
 
+class EnvironmentConfig(Strict):
+    """Multi-turn episodes (rlhf/envs/): the policy's turns alternate with an environment's answers, whose
+    tokens are masked out of every loss term."""
+
+    # calculator (built in: `<calc>12*7</calc>` answered `<result>84</result>`) or a class of yours,
+    # 'module:Class' with reset(problem) and step(turn) -> (observation, reward, done)
+    name: str = Field(pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
+    max_turns: int = Field(4, ge=1, le=64)  # policy turns per episode (rollout.max_new_tokens bounds each)
+    max_tokens: int = Field(256, ge=1, le=65_536)  # the episode's tokens after the prompt, both sides'
+    # the environment runs in a child process: a call past timeout_s, or the child past memory_mb, ends the
+    # episode with the error recorded (rlhf/envs/sandbox.py)
+    timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    memory_mb: int = Field(1024, ge=64, le=1_048_576)  # the child's address-space cap (RLIMIT_AS)
+    max_observation_chars: int = Field(2000, ge=1, le=1_000_000)  # an observation is cut to this
+
+
 class GRPOConfig(RLOptions):
     group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
     beta: float = Field(0.04, ge=0.0)  # k3 KL penalty weight in the loss (DeepSeekMath sec. 4.1)
@@ -779,11 +798,18 @@ class GRPOConfig(RLOptions):
     # advantages r - mean_g divided by the group's std (group), the batch's std (batch) or not at all
     # (none: Dr. GRPO, which finds the group std a question-level difficulty bias); TRL's scale_rewards
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    # multi-turn episodes with a tool or another environment; null: one answer per sample
+    environment: EnvironmentConfig | None = None
 
     @model_validator(mode="after")
     def _refill(self) -> GRPOConfig:
         if self.refill_rounds and not self.skip_uniform_groups:
             raise ValueError("refill_rounds: refills the groups skip_uniform_groups drops; set skip_uniform_groups: true")
+        if self.environment is not None and self.launch.processes > 1:
+            raise ValueError("environment: episodes run in one process for now; set launch.processes: 1")
+        if self.environment is not None and self.launch.ray.engine == "own":
+            raise ValueError("environment: episodes run with the rollout engine in the training process; "
+                             "launch.ray.engine: own is not supported with them yet")
         return self
 
     def samples_per_prompt(self) -> int:
@@ -906,6 +932,9 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> PipelineConfig:
+        if self.grpo.environment is not None and self.rollout.engine != "hf":
+            raise ValueError("grpo.environment: episodes are generated with rollout.engine: hf; "
+                             f"{self.rollout.engine!r} is not supported with them yet")
         if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
             raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
         prefs = self.preferences

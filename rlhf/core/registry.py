@@ -128,7 +128,11 @@ def _judge_function(cfg) -> list[str]:
 
 
 def _reward_functions(name: str) -> Callable:
-    return lambda cfg: [r.function for r in cfg.stage(name).reward_specs() if r.function]
+    def found(cfg) -> list[str]:  # the user's code the stage calls: reward functions, an environment class
+        env = getattr(cfg.stage(name), "environment", None)
+        return ([r.function for r in cfg.stage(name).reward_specs() if r.function]
+                + ([env.name] if env is not None and ":" in env.name else []))
+    return found
 
 
 def _prompts_data(cfg) -> dict[str, str]:

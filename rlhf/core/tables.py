@@ -101,6 +101,9 @@ EXPERIENCE_SCHEMA = pa.schema([
     pa.field("rewards", pa.map_(pa.string(), pa.float64())),  # each reward term's value, by name
     pa.field("advantage", pa.float64()),  # mean over the response tokens
     pa.field("finish_reason", pa.string()),
+    # episodes (grpo.environment): 1 on the policy's tokens, 0 on the environment's; null for single answers
+    pa.field("policy_mask", pa.list_(pa.int8())),
+    pa.field("env_error", pa.string()),  # the environment's failure that ended the episode
 ])
 ROLLOUT_SCHEMA = pa.schema([*_SAMPLE, pa.field("finish_reason", pa.string()), pa.field("reward", pa.float64())])
 

@@ -118,7 +118,7 @@ class Task(Split):
     def sft_rows(self) -> list[dict]:
         """Demonstrations: the gold answer as the assistant's reply, or (answer_format 'worked') a worked
         solution ending in it."""
-        reply = worked_solution if self.cfg.answer_format == "worked" else (lambda p: p.answer)
+        reply = {"worked": worked_solution, "calculator": calculator_solution}.get(self.cfg.answer_format, lambda p: p.answer)
         return [{"prompt": p.messages(), "completion": [assistant(reply(p))]} for p in self.train]
 
     def preference_rows(self) -> list[dict]:
@@ -173,6 +173,17 @@ def worked_solution(problem: Problem) -> str:
     if str(total) != problem.answer:
         raise ValueError(f"{problem.id}: worked solution gives {total}, the gold answer is {problem.answer}")
     return "; ".join(steps) + f". The answer is {total}."
+
+
+def calculator_solution(problem: Problem) -> str:
+    """A chain_sum solution that calls the calculator (rlhf/envs/calculator.py) on the whole expression and
+    reads its result. Hand-worked: '15 - 43 + 7 =' -> '<calc>15 - 43 + 7</calc><result>-21</result> The answer
+    is -21.' In GRPO episodes the policy stops at '</calc>' and the environment writes the result."""
+    m = _EXPRESSION.search(problem.question)
+    if m is None:
+        raise ValueError(f"{problem.id}: no chain_sum expression in {problem.question!r}")
+    expression = " ".join((m.group(1) + m.group(2)).split())
+    return f"<calc>{expression}</calc><result>{problem.answer}</result> The answer is {problem.answer}."
 
 
 def wrong_answer(answer: str, rng: random.Random, pool: list[str]) -> str:

@@ -32,6 +32,10 @@ class Generation:
     text: str
     finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens reached)
     rewards: dict[str, float] = field(default_factory=dict)  # the RL loop's reward terms for this sample, by name
+    # an episode's (rlhf/envs/episodes.py): 1 on the policy's tokens, 0 on the environment's (their logprobs
+    # are 0 and no loss term sees them); None: every token is the policy's
+    mask: list[int] | None = None
+    error: str | None = None  # the environment's failure that ended the episode
 
 
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
@@ -137,6 +141,49 @@ class HFEngine:
                 "stop" if n < len(toks) or (toks and toks[n - 1] == tok.eos_token_id) else "length",
             ))
         return out
+
+    @torch.no_grad()
+    def continue_ids(self, seqs: list[list[int]], params: SamplingParams, stop: tuple[str, ...], seed: int
+                     ) -> list[tuple[list[int], list[float], str]]:
+        """One more turn of each token sequence (an episode's transcript so far): (tokens, their sampler
+        log-probs, why it ended): 'stop' at the end-of-sequence token (kept), 'tool' at the end of one of
+        `stop` (the environment's turn), 'length' at params.max_new_tokens. Batch b is seeded by
+        (seed, b), inside a fork of torch's RNG."""
+        tok, model = self.tokenizer, self.model
+        was_training, out = model.training, []
+        model.eval()
+        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+            try:
+                for b, start in enumerate(range(0, len(seqs), self.batch_size)):
+                    chunk = seqs[start : start + self.batch_size]
+                    width = max(len(s) for s in chunk)
+                    ids = torch.tensor([[tok.pad_token_id] * (width - len(s)) + s for s in chunk], device=model.device)
+                    attn = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in chunk], device=model.device)
+                    torch.manual_seed(seed * 1_000_003 + b)
+                    greedy = params.temperature == 0
+                    gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=params.max_new_tokens,
+                                         do_sample=not greedy, temperature=None if greedy else params.temperature,
+                                         top_p=None if greedy else params.top_p, top_k=None,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                         stop_strings=list(stop) or None, tokenizer=tok if stop else None,
+                                         output_scores=True, return_dict_in_generate=True)
+                    new = gen.sequences[:, width:]
+                    logp = torch.stack(gen.scores, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                    out += [self._turn_end(new[r].tolist(), logp[r].tolist(), stop) for r in range(len(chunk))]
+            finally:
+                model.train(was_training)
+        return out
+
+    def _turn_end(self, toks: list[int], logps: list[float], stop: tuple[str, ...]) -> tuple[list[int], list[float], str]:
+        """Where a generated turn ends: a stop string first (rows that stopped are padded after it, and the
+        pad token may be the EOS token), then EOS, else the budget."""
+        eos = self.tokenizer.eos_token_id
+        end = toks.index(eos) + 1 if eos in toks else len(toks)
+        if stop:
+            for k in range(1, end + 1):  # the shortest prefix whose text ends a call
+                if any(s in self.tokenizer.decode(toks[:k]) for s in stop):
+                    return toks[:k], logps[:k], "tool"
+        return toks[:end], logps[:end], "stop" if eos in toks[:end] else "length"
 
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):
         """KV cache of the distinct prompts ([U, W], laid out by prefix.pad_after_prefix) but their last

@@ -129,3 +129,14 @@ def paired_accuracy_diff(correct_a: np.ndarray, correct_b: np.ndarray, rounds: i
     idx = rng.integers(0, len(d), size=(rounds, len(d)))
     means = d[idx].mean(axis=1)
     return float(d.mean()), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate (Wilson 1927): unlike p +- z*se it stays inside [0, 1]
+    and is not empty at 0 or n successes."""
+    if n <= 0 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n and n > 0, got {successes} of {n}")
+    p, zz = successes / n, z * z
+    centre = (p + zz / (2 * n)) / (1 + zz / n)
+    half = z * math.sqrt(p * (1 - p) / n + zz / (4 * n * n)) / (1 + zz / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -12,6 +12,8 @@ import tokenize
 from pathlib import Path
 
 from annotated_types import Ge, Gt, Le, Lt
+import typing
+
 from pydantic import BaseModel
 
 from rlhf.core import config as config_module
@@ -62,6 +64,8 @@ def _bounds(info) -> str:
 
 
 def _default(info) -> str:
+    if info.is_required():
+        return "required"
     value = info.default_factory() if info.default_factory is not None else info.default
     if isinstance(value, str):
         return f"`{value!r}`" if value else "`''`"
@@ -76,6 +80,12 @@ def rows(model: type[BaseModel], prefix: str, sources) -> list[str]:
         annotation, meaning = _defined_in(model, name, sources)
         if nested is not None:
             out += rows(nested, key, sources)
+            continue
+        args = typing.get_args(info.annotation)
+        optional = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)] if type(None) in args else []
+        if optional:  # an optional section (null: off): its row, then its keys
+            out.append(f"| `{key}` | `{optional[0].__name__} \\| None` | `null` |  | {meaning.replace('|', chr(92) + '|')} |")
+            out += rows(optional[0], key, sources)
             continue
         cells = [f"`{key}`", f"`{annotation}`".replace("|", "\\|"), _default(info).replace("|", "\\|"),
                  _bounds(info), meaning.replace("|", "\\|")]

@@ -262,5 +262,15 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
                                     f"{len(probe)} prompts raised {type(e).__name__}: {str(e)[:300]}") from None
             what = {"math_verify": f"math_verify({spec.column})", "function": f"function({spec.function})"}.get(spec.kind, spec.kind)
             terms.append(f"{spec.weight:g} x {what}")
+        if (env := getattr(cfg.stage(name), "environment", None)) is not None:
+            from rlhf.envs.base import load_class, resolve
+
+            try:
+                load_class(env.name)
+            except ValueError as e:
+                raise DataError(f"{name}.environment: {e}") from None
+            terms.append("the environment's rewards")
+            lines.append(f"{name} environment: {resolve(env.name)}, episodes of up to {env.max_turns} turns and "
+                         f"{env.max_tokens} tokens, in a child process ({env.timeout_s:g} s a call, {env.memory_mb} MB)")
         lines.append(f"{name} reward: " + " + ".join(terms))
     return lines

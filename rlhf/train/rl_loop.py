@@ -34,6 +34,8 @@ from rlhf.engines.prefix import forward as shared_prefix_forward
 from rlhf.engines.prefix import last_logits_only, pad_after_prefix, positions
 from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import sequence_logps
+from rlhf.envs.episodes import EpisodeEngine, episode_stats, run_episodes
+from rlhf.envs.sandbox import Limits
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
 from rlhf.train.rewards import load_reward_model, reward_model_scores, reward_terms, weighted_rewards
@@ -99,7 +101,9 @@ def build_batch(prompt_ids: list[list[int]], gens, pad_id: int) -> Batch:
     mask, lp = torch.zeros(b, t_w), torch.zeros(b, t_w)
     for i, g in enumerate(gens):
         if n := len(g.token_ids):
-            ids[i, p_w : p_w + n], attn[i, p_w : p_w + n], mask[i, :n] = torch.tensor(g.token_ids), 1, 1
+            ids[i, p_w : p_w + n], attn[i, p_w : p_w + n] = torch.tensor(g.token_ids), 1
+            # an episode's environment tokens are context, never trained on (mask 0: rlhf/envs/episodes.py)
+            mask[i, :n] = 1 if g.mask is None else torch.tensor(g.mask, dtype=mask.dtype)
             lp[i, :n] = torch.tensor(g.logprobs)
     return Batch(ids, attn, mask, lp)
 
@@ -336,6 +340,8 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
     task = make_task(pcfg.data)
     reward = make_reward(cfg, task, scorers)
     engine = make_engine(ctx, policy, tok, init, resume is not None, task)
+    if (env := getattr(cfg, "environment", None)) is not None:  # GRPO's multi-turn episodes
+        engine = EpisodeEngine(engine, env)
     n_samples = cfg.samples_per_prompt()
     t_start = time.perf_counter()
     for it in range(first, cfg.iterations + 1):
@@ -348,6 +354,8 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         scores = scores.to(device)
         n_sampled, reward_sampled = len(gens), scores.mean().item()
         term_means = {f"reward/{k}": sum(g.rewards[k] for g in gens) / len(gens) for k in gens[0].rewards}
+        if isinstance(engine, EpisodeEngine):
+            term_means.update(episode_stats(gens))
         if getattr(cfg, "skip_uniform_groups", False):
             gens, scores = informative(gens, scores, cfg.group_size)
             problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
@@ -403,7 +411,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
 
     engine.close()
-    return finish(algo, cfg, ctx, policy, tok, task, first)
+    return finish(algo, cfg, ctx, policy, tok, task, first, engine if isinstance(engine, EpisodeEngine) else None)
 
 
 def informative(gens: list, scores: torch.Tensor, group_size: int) -> tuple[list, torch.Tensor]:
@@ -541,10 +549,15 @@ def generate_and_score(engine, problems, params: SamplingParams, reward) -> tupl
     """Samples and rewards of the iteration, ordered by (prompt, sample). Each rank generates and scores
     its share of the engine's batches (the engine seeds each batch by its global index, so the union
     is the one-process output) and the shares are gathered: advantages always see whole groups."""
-    mine = engine.generate([p.messages() for p in problems], params, shard=(dist.rank(), dist.world_size()))
+    episodic = isinstance(engine, EpisodeEngine)  # one process (the config refuses more with an environment)
+    mine = (engine.episodes(problems, params) if episodic
+            else engine.generate([p.messages() for p in problems], params, shard=(dist.rank(), dist.world_size())))
     mine_scores = []
     if mine:
         total, parts = reward([problems[g.prompt_index] for g in mine], mine)
+        if episodic:  # the environment's own rewards join the configured terms
+            parts = {**parts, "env": [g.rewards.get("env", 0.0) for g in mine]}
+            total = total + torch.tensor(parts["env"], dtype=total.dtype)
         mine_scores = total.tolist()  # each sample carries its reward's terms (metrics, the experience table)
         mine = [dataclasses.replace(g, rewards={k: v[i] for k, v in parts.items()}) for i, g in enumerate(mine)]
     pairs = sorted((pair for part in dist.all_gather(list(zip(mine, mine_scores))) for pair in part),
@@ -632,6 +645,7 @@ def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -
         "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "logp_old": tok_list(batch.logp_old, i),
         "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]), "rewards": list(g.rewards.items()),
         "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
+        "policy_mask": g.mask, "env_error": g.error,
     } for i, g in enumerate(gens)]
     ctx.write_output("experience", rows, f"experience/iter-{it:06d}.parquet")  # one file of the declared folder
     write_metrics_row(ctx, it, algo, metrics)
@@ -643,7 +657,7 @@ def write_metrics_row(ctx, it: int, algo: str, metrics: dict) -> None:
     ctx.store.write_table(ctx.path("iterations", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(m, schema=METRICS_SCHEMA), METRICS_SCHEMA)
 
 
-def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
+def finish(algo, cfg, ctx, policy, tok, task, first, episodic: EpisodeEngine | None = None) -> StageResult:
     if not dist.is_main():  # rank 0 evaluates and publishes; the launcher uses its result only
         return StageResult(outputs={})
     tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in ctx.store.glob(ctx.path("iterations", "*.parquet"))]
@@ -656,6 +670,15 @@ def finish(algo, cfg, ctx, policy, tok, task, first) -> StageResult:
     if held_out:
         metrics[f"{algo}/accuracy"] = verifier_accuracy(policy, tok, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("%s: policy held-out accuracy %.3f", algo, metrics[f"{algo}/accuracy"])
+    if held_out and episodic is not None:  # with its environment: greedy episodes, the verifier on each transcript
+        env = episodic.cfg
+        gens = run_episodes(HFEngine(policy, tok), held_out, SamplingParams(0.0, 1.0, cfg.eval_max_new_tokens),
+                            env.name, env.max_turns, env.max_tokens,
+                            Limits(env.timeout_s, env.memory_mb, env.max_observation_chars))
+        metrics[f"{algo}/episode_success"] = sum(task.score(g.text, held_out[g.prompt_index]) >= 1.0
+                                                 for g in gens) / len(gens)
+        metrics.update({f"{algo}/held_out_{k}": v for k, v in episode_stats(gens).items()})
+        ctx.log.info("%s: held-out episode success %.3f", algo, metrics[f"{algo}/episode_success"])
     outputs = {"model": publish_model(ctx, policy, tok), "metrics": write_metrics(ctx, table), "experience": "experience/"}
     return StageResult(outputs=outputs, rows={"iterations": cfg.iterations, "rollouts": cfg.iterations * cfg.rollouts_per_iteration()},
                        metrics=metrics, resumed_from_step=first - 1 if first > 1 else None)

@@ -1,0 +1,117 @@
+"""Multi-turn rollouts: each (prompt, sample) is an episode. Every round, the live episodes' policy turns are
+generated in one batched call (HFEngine.continue_ids); a turn that ends in a tool call goes to the episode's
+environment (sandbox.py), whose observation is appended as tokens the policy did not produce: mask 0 and
+log-prob 0, so the loss, the KL and the importance ratios never see them (rl_loop.build_batch takes the
+mask). An episode ends at the policy's end-of-sequence token, when the environment says done or fails,
+after `max_turns` policy turns, or at `max_tokens` in all. The result is one Generation per episode,
+ordered by (prompt, sample) as the single-turn engine orders them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlhf.engines.engine import Generation, SamplingParams, chat_ids
+from rlhf.envs.base import load_class
+from rlhf.envs.sandbox import Limits, Sandbox
+
+
+@dataclass
+class Episode:
+    prompt_index: int
+    sample_index: int
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    env_reward: float = 0.0
+    finish: str = ""
+    error: str | None = None
+
+    def add(self, tokens: list[int], logprobs: list[float], policy: bool) -> None:
+        self.tokens += tokens
+        self.logprobs += logprobs if policy else [0.0] * len(tokens)
+        self.mask += [int(policy)] * len(tokens)
+
+
+def problem_payload(problem) -> dict:
+    """What an environment's reset receives: plain data, safe to send to its process."""
+    return {"id": problem.id, "question": problem.question, "answer": problem.answer, "columns": problem.columns()}
+
+
+def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: int, max_tokens: int,
+                 limits: Limits = Limits(), sandbox: Sandbox | None = None) -> list[Generation]:
+    """The episodes of every (problem, sample): params.max_new_tokens bounds each policy turn."""
+    tok = engine.tokenizer
+    stop = tuple(getattr(load_class(env), "stop", ()))
+    own = sandbox is None
+    box = sandbox or Sandbox(env, limits)
+    episodes = [Episode(i, s, chat_ids(tok, p.messages())) for i, p in enumerate(problems) for s in range(params.n)]
+    try:
+        for eid, ep in enumerate(episodes):
+            if (why := box.reset(eid, problem_payload(problems[ep.prompt_index]))) is not None:
+                ep.finish, ep.error = "env_error", why
+        for turn in range(max_turns):
+            live = [(eid, ep) for eid, ep in enumerate(episodes) if not ep.finish]
+            if not live:
+                break
+            budget = [max_tokens - len(ep.tokens) for _, ep in live]
+            one = SamplingParams(params.temperature, params.top_p, max(1, min(params.max_new_tokens, min(budget))),
+                                 1, params.seed)
+            outs = engine.continue_ids([ep.prompt_ids + ep.tokens for _, ep in live], one, stop, params.seed + 7919 * turn)
+            for (eid, ep), (toks, logps, why) in zip(live, outs):
+                ep.add(toks, logps, policy=True)
+                ep.turns += 1
+                if why != "tool" or turn == max_turns - 1:  # no answer to a call the policy cannot follow up
+                    ep.finish = why if why != "tool" else "max_turns"
+                    continue
+                step = box.step(eid, tok.decode(toks, skip_special_tokens=True))
+                ep.env_reward += step.reward
+                if step.error is not None:
+                    ep.finish, ep.error = "env_error", step.error
+                    continue
+                if step.observation:
+                    obs = tok(step.observation, add_special_tokens=False)["input_ids"][: max(0, max_tokens - len(ep.tokens))]
+                    ep.add(obs, [], policy=False)
+                if step.done:
+                    ep.finish = "env_done"
+                elif len(ep.tokens) >= max_tokens:
+                    ep.finish = "length"
+        for eid, ep in enumerate(episodes):
+            ep.finish = ep.finish or "max_turns"
+            box.end(eid)
+    finally:
+        if own:
+            box.close()
+    return [Generation(ep.prompt_index, ep.sample_index, ep.tokens, ep.logprobs,
+                       tok.decode(ep.tokens, skip_special_tokens=True), ep.finish,
+                       rewards={"env": ep.env_reward} if ep.env_reward else {}, mask=ep.mask, error=ep.error)
+            for ep in episodes]
+
+
+class EpisodeEngine:
+    """The RL loop's engine when `grpo.environment` is set: episodes instead of single answers, over the
+    HF engine that shares the policy's weights, with one sandboxed environment process for the stage."""
+
+    def __init__(self, engine, cfg):
+        self.engine, self.cfg = engine, cfg
+        self.box = Sandbox(cfg.name, Limits(cfg.timeout_s, cfg.memory_mb, cfg.max_observation_chars))
+
+    def episodes(self, problems, params: SamplingParams) -> list[Generation]:
+        return run_episodes(self.engine, problems, params, self.cfg.name, self.cfg.max_turns, self.cfg.max_tokens,
+                            sandbox=self.box)
+
+    def sync(self, policy):
+        return self.engine.sync(policy)
+
+    def close(self) -> None:
+        self.box.close()
+        self.engine.close()
+
+
+def episode_stats(gens: list[Generation]) -> dict[str, float]:
+    """Per-episode means for the metrics: policy turns, environment tokens, the share ended by an error."""
+    n = max(len(gens), 1)
+    turns = [1 + sum(1 for a, b in zip(g.mask, g.mask[1:]) if a == 0 and b == 1) if g.mask else 1 for g in gens]
+    return {"episode_turns": sum(turns) / n, "episode_env_tokens": sum(len(g.mask or []) - sum(g.mask or []) for g in gens) / n,
+            "episode_error_share": sum(g.error is not None for g in gens) / n}

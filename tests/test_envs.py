@@ -1,0 +1,234 @@
+"""Multi-turn environments: the built-in calculator, the sandbox an environment runs in, episodes whose
+environment tokens no loss term sees, and GRPO on episodes through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import run_cli, only
+from rlhf.core.config import ModelConfig, TinyModelConfig
+from rlhf.core.models import load_causal_lm, load_tokenizer, tiny_model_dir
+from rlhf.engines.engine import Generation, SamplingParams
+from rlhf.envs.base import load_class
+from rlhf.envs.calculator import CalcError, Calculator, evaluate
+from rlhf.envs.episodes import episode_stats, run_episodes
+from rlhf.envs.sandbox import Limits, Sandbox
+from rlhf.train import rl_loop
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
+
+
+@pytest.fixture()
+def tiny_policy():
+    torch.manual_seed(0)
+    return load_causal_lm(str(tiny_model_dir(TinyModelConfig())), ModelConfig(name="tiny"))
+
+
+PROBLEM = {"id": "train-0", "question": "What is 2 + 2?", "answer": "4", "columns": {}}
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("123 + 456 * 7", "3315"), ("(1 + 2) * 3", "9"), ("7 / 2", "3.5"), ("7 // 2", "3"), ("-7 % 3", "2"),
+    ("2 ** 10", "1024"), ("1 / 3 * 3", "1"), ("0.1 + 0.2", "0.3"), ("2 ** -2", "0.25"),
+])
+def test_the_calculator_computes_exactly(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression, why", [
+    ("9 ** 9 ** 9", "exponent must be a whole number within"), ("10 ** 31", "exceeds 1e30"),
+    ("__import__('os').system('ls')", "Call is not allowed"), ("x + 1", "Name is not allowed"),
+    ("1 / 0", "division by zero"), ("(1 + 2", "not an arithmetic expression"), ("1" * 201, "longer than 200"),
+    ("'a' * 3", "Constant is not allowed"), ("[1, 2]", "List is not allowed"), ("0 ** -1", "no negative power"),
+])
+def test_the_calculator_refuses_anything_but_bounded_arithmetic(expression, why):
+    with pytest.raises(CalcError, match=why):
+        evaluate(expression)
+
+
+def test_a_calculator_turn_gets_its_result_or_an_error_and_a_turn_without_a_call_ends_the_episode():
+    calc = Calculator()
+    calc.reset(PROBLEM)
+    assert calc.step("First, <calc>12*7</calc>") == ("<result>84</result>", 0.0, False)
+    assert calc.step("<calc>12*</calc>") == ("<error>not an arithmetic expression</error>", 0.0, False)
+    assert calc.step("The answer is 84.") == (None, 0.0, True)
+
+
+@pytest.mark.parametrize("cls, error", [
+    ("Hangs", "no answer within 1 s (killed)"),
+    ("Crashes", "the environment's process died (exit code 3)"),
+    ("OpensFiles", "PermissionError: the environment's sandbox refuses open"),
+    ("OpensSockets", "PermissionError: the environment's sandbox refuses socket."),
+    ("Shells", "PermissionError: the environment's sandbox refuses os.system"),
+    ("Eats", "MemoryError"),
+    ("WrongType", "TypeError: step returned an observation of type int"),
+])
+def test_a_tool_that_misbehaves_ends_its_episode_with_the_error_and_the_next_episode_runs(cls, error):
+    box = Sandbox(f"envs_hostile:{cls}", Limits(timeout_s=1.0, memory_mb=512))
+    try:
+        assert box.reset(0, PROBLEM) is None
+        step = box.step(0, "<call>")
+        assert step.done and step.observation is None and error in step.error, step
+        assert box.reset(1, PROBLEM) is None  # a fresh child when the last one was killed or died
+    finally:
+        box.close()
+    assert not os.path.exists("/tmp/rlhf-sandbox-escaped")
+
+
+def test_a_flood_of_output_is_discarded_and_the_observation_cut():
+    box = Sandbox("envs_hostile:Floods", Limits(timeout_s=10.0, max_chars=100))
+    try:
+        assert box.reset(0, PROBLEM) is None
+        step = box.step(0, "<call>")
+        assert step.error is None and step.observation == "y" * 100 and not step.done
+    finally:
+        box.close()
+
+
+def test_an_environment_that_does_not_import_or_lacks_step_is_named():
+    with pytest.raises(ValueError, match="cannot import 'Nope' from 'envs_hostile'"):
+        load_class("envs_hostile:Nope")
+    with pytest.raises(ValueError, match="NoStep has no step method"):
+        load_class("envs_hostile:NoStep")
+
+
+class Scripted:
+    """A stand-in for a policy that has learned the tool's format (the tiny random model never writes a
+    call): it says its scripted turns in order, each as if sampled with log-prob -0.5 per token. The
+    episode loop, the tokenizer, the environment process and the masks are the real ones."""
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.tokenizer, self.turns, self.calls = tokenizer, turns, []
+
+    def continue_ids(self, seqs, params, stop, seed):
+        self.calls.append([len(s) for s in seqs])
+        out = []
+        for _ in seqs:
+            text = self.turns[min(len(self.calls) - 1, len(self.turns) - 1)]
+            toks = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
+            end = "tool" if any(s in text for s in stop) else "stop"
+            toks = toks + ([self.tokenizer.eos_token_id] if end == "stop" else [])
+            out.append((toks, [-0.5] * len(toks), end))
+        return out
+
+
+class Problem:
+    def __init__(self, question):
+        self.id, self.question, self.answer = "train-0", question, "84"
+
+    def messages(self):
+        return [{"role": "user", "content": self.question}]
+
+    def columns(self):
+        return {}
+
+
+def test_a_two_turn_episode_masks_the_environments_tokens(tiny_tokenizer):
+    tok = tiny_tokenizer
+    engine = Scripted(tok, ["Let me compute <calc>12*7</calc>", " so the answer is 84."])
+    [g] = run_episodes(engine, [Problem("What is 12 times 7?")], SamplingParams(0.0, 1.0, 32), "calculator", 4, 256)
+    t1 = tok("Let me compute <calc>12*7</calc>", add_special_tokens=False)["input_ids"]
+    obs = tok("<result>84</result>", add_special_tokens=False)["input_ids"]
+    t2 = tok(" so the answer is 84.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert g.token_ids == t1 + obs + t2 and g.mask == [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
+    assert g.logprobs == [-0.5] * len(t1) + [0.0] * len(obs) + [-0.5] * len(t2)
+    assert g.finish_reason == "stop" and g.error is None and "<result>84</result> so the answer is 84." in g.text
+    assert engine.calls[1][0] == engine.calls[0][0] + len(t1) + len(obs)  # turn 2 continues the whole transcript
+    assert episode_stats([g]) == {"episode_turns": 2.0, "episode_env_tokens": float(len(obs)), "episode_error_share": 0.0}
+    # budgets: one policy turn only, or too few tokens for the observation
+    engine = Scripted(tok, ["Let me compute <calc>12*7</calc>", " so the answer is 84."])
+    [one] = run_episodes(engine, [Problem("q")], SamplingParams(0.0, 1.0, 32), "calculator", 1, 256)
+    assert one.finish_reason == "max_turns" and sum(one.mask) == len(one.mask) == len(t1)
+
+
+def test_a_failing_tool_ends_the_episode_with_its_error(tiny_tokenizer):
+    engine = Scripted(tiny_tokenizer, ["<call>x</call>", "never said"])
+    [g] = run_episodes(engine, [Problem("q")], SamplingParams(0.0, 1.0, 8), "envs_hostile:Crashes", 4, 256)
+    assert g.finish_reason == "env_error" and "process died" in g.error and len(engine.calls) == 1
+
+
+def two_turn_batch():
+    """Two episodes of one group: policy tokens, 3 environment tokens, policy tokens (rewards 1 and 0)."""
+    mask = [1, 1, 0, 0, 0, 1, 1]
+    gens = [Generation(0, s, [11 + s, 12, 13, 14, 15, 16, 17], [-0.5 if m else 0.0 for m in mask], "", "stop", mask=mask)
+            for s in range(2)]
+    return rl_loop.build_batch([[1, 2, 3], [1, 2, 3]], gens, 0), torch.tensor([1.0, 0.0])
+
+
+def test_a_two_turn_episodes_advantages_are_its_outcome_on_the_policys_tokens_only():
+    batch, scores = two_turn_batch()
+    assert batch.mask.tolist() == [[1, 1, 0, 0, 0, 1, 1]] * 2
+    assert batch.attention_mask[:, 3:].tolist() == [[1] * 7] * 2  # the environment's tokens are context
+    cfg = type("C", (), {"group_size": 2, "scale_rewards": "none"})()
+    rl_loop.grpo_advantages(cfg, batch, scores, 0.0)
+    # r - mean: +0.5 and -0.5 on each policy token, 0 on the environment's
+    assert batch.advantages.tolist() == [[0.5, 0.5, 0, 0, 0, 0.5, 0.5], [-0.5, -0.5, 0, 0, 0, -0.5, -0.5]]
+
+
+def test_the_environments_tokens_reach_no_loss_term(tiny_policy):
+    """Garbage in every per-token input at the environment's positions (old, reference and rollout log-probs,
+    advantages, importance weights) leaves the loss and the gradient exactly as they were."""
+    def grads(batch):
+        tiny_policy.zero_grad()
+        step = rl_loop.Step(rl_loop.ALGORITHMS["grpo"], cfg, 1, {"policy": tiny_policy}, {}, 0.1, 1.0,
+                            lambda: torch.autocast("cpu", enabled=False), 8)
+        out = rl_loop.micro_step(step, batch, torch.arange(2), 1.0)
+        return out["policy_loss"], torch.cat([p.grad.flatten() for p in tiny_policy.parameters() if p.grad is not None])
+
+    cfg = type("C", (), {"group_size": 2, "scale_rewards": "group", "clip_eps": 0.2, "dual_clip": None,
+                         "clip_eps_high": None, "beta": 0.1, "loss_type": "dapo"})()
+    batch, scores = two_turn_batch()
+    with torch.no_grad():
+        batch.logp_old = rl_loop.score_all(tiny_policy, batch, 1.0, 2) + 0.05 * batch.mask
+        batch.logp_ref = batch.logp_old - 0.1 * batch.mask
+    rl_loop.grpo_advantages(cfg, batch, scores, 0.1)
+    batch.weights = torch.ones_like(batch.mask)
+    loss, grad = grads(batch)
+    env = batch.mask == 0
+    noise = torch.randn(batch.mask.shape) * 7
+    for name in ("logp_old", "logp_ref", "logp_rollout", "advantages", "weights"):
+        t = getattr(batch, name)
+        setattr(batch, name, torch.where(env, noise, t))
+    loss2, grad2 = grads(batch)
+    assert grad.abs().sum() > 0 and loss2 == pytest.approx(loss, abs=0) and torch.equal(grad, grad2)
+
+
+@pytest.mark.slow  # SFT then GRPO with the calculator on the tiny model, through the CLI
+def test_grpo_on_calculator_episodes_runs_end_to_end_and_keeps_whole_episodes(tmp_path):
+    store = tmp_path / "store"
+    args = ["--profile", "tiny", "--set", f"storage.url={store}", *[a for o in only("sft", "grpo") for a in ("--set", o)],
+            "--set", "grpo.environment={name: calculator, max_turns: 3, max_tokens: 48}", "--set", "grpo.iterations=2"]
+    shown = run_cli("validate", *args)
+    assert shown.returncode == 0, shown.stderr
+    assert "grpo environment: rlhf.envs.calculator:Calculator, episodes of up to 3 turns and 48 tokens" in shown.stdout
+    done = run_cli("run", "--run-name", "tools", *args)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    manifest = json.loads((store / "tools" / "grpo" / "manifest.json").read_text())
+    assert 0.0 <= manifest["metrics"]["grpo/episode_success"] <= 1.0
+    assert manifest["metrics"]["grpo/held_out_episode_turns"] >= 1.0
+    rows = json.loads(run_cli("query", "--format", "json", "--set", f"storage.url={store}", "SELECT 1 AS one").stdout)
+    assert rows == [{"one": 1}]
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(store / "tools" / "grpo" / "experience").to_pylist()
+    assert table and all(r["policy_mask"] is not None and len(r["policy_mask"]) == len(r["response_ids"]) <= 48
+                         for r in table)
+    assert all(r["finish_reason"] in ("stop", "length", "max_turns", "env_done", "env_error") for r in table)
+
+
+def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):
+    base = ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path}", "--set", "grpo.enabled=true",
+            "--set", "grpo.environment={name: calculator}"]
+    for extra, why in ((["--set", "rollout.engine=vllm"], "grpo.environment: episodes are generated with rollout.engine: hf"),
+                       (["--set", "grpo.launch.processes=2"], "episodes run in one process for now"),
+                       (["--set", "grpo.environment={name: 'os:system; rm'}"], "grpo.environment.name"),
+                       (["--set", "grpo.environment={name: 'envs_hostile:NoStep'}"], "NoStep has no step method")):
+        proc = run_cli(*base, *extra, env={"PYTHONPATH": os.path.dirname(__file__)})
+        assert proc.returncode == 2 and why in proc.stderr, (extra, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
