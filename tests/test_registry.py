@@ -19,7 +19,7 @@ from rlhf.core.stage import Input, Inputs, StageContext, StageResult
 from rlhf.core.store import ArtifactStore, SchemaMismatch
 from rlhf.core.tables import BY_NAME
 
-PROFILES = ("default", "tiny", "worked", "iterative", "gsm")
+PROFILES = ("default", "tiny", "worked", "iterative", "gsm", "tools")
 
 
 def manifest(stage: str, key: str, outputs: dict[str, str]) -> dict:
