@@ -26,7 +26,7 @@ from rlhf.maths.style_control import rate_length_controlled
 from rlhf.core.config import EvalConfig
 from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
-from rlhf.core.models import load_causal_lm, load_tokenizer, model_identity, resolve_model
+from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer, model_identity, resolve_model
 from rlhf.engines import answers
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
@@ -52,7 +52,7 @@ def policy_identity(ctx: StageContext, policy: str) -> tuple[str, dict]:
         return f"base:{ctx.cfg.model.name}", {**model_identity(ctx.cfg.model), **fingerprint.model(ctx.cfg.model.name)}
     if policy_kind(policy) == "model":
         name = policy.removeprefix("model:")
-        return policy, {"name": name, "dtype": ctx.cfg.model.dtype, **fingerprint.model(name)}
+        return policy, {"name": name, "dtype": inference_model(ctx.cfg.model).dtype, **fingerprint.model(name)}
     label = policy if policy_kind(policy) == "run" else f"{ctx.cfg.run.name}/{policy}"
     return label, {"key": ctx.inputs.named(policy).key}
 
@@ -72,14 +72,15 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
                                                                        else ctx.cfg.data.task)
     out, new, counts = {}, {}, {"generated": 0, "reused": 0}
     for k, policy in enumerate(cfg.policies):
-        key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier, code)
+        key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier, code,
+                                  inference_model(ctx.cfg.model).dtype)
         if (cached := answers.read(ctx.store, key)) is not None:
             out[policy] = cached[0]
             counts["reused"] += len(out[policy])
             ctx.log.info("eval: %s: %d answers reused (%s)", policy, len(out[policy]), key[:12])
             continue
         path = policy_path(ctx, policy)
-        tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
+        tok, model = load_tokenizer(path), load_causal_lm(path, inference_model(ctx.cfg.model))
 
         def log(done, total, p=policy, k=k):  # generation is most of the stage: its share drives progress
             ctx.log.info("eval: %s generated %d/%d", p, done, total)
@@ -139,7 +140,7 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
     if not scored:
         return out
     path = policy_path(ctx, ref)
-    tok, model = load_tokenizer(path), load_causal_lm(path, ctx.cfg.model)
+    tok, model = load_tokenizer(path), load_causal_lm(path, inference_model(ctx.cfg.model))
     prompt_ids = [chat_ids(tok, p) for p in prompts]
     ref_lp = score_distinct(gens, scored, lambda g: (g.prompt_index, tuple(g.token_ids)), lambda samples: response_logps(
         model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples], tok.pad_token_id,
@@ -151,7 +152,7 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
 def rm_rewards(ctx: StageContext, cfg: EvalConfig, prompts, gens: dict[str, list]) -> dict[str, list[float]] | None:
     if ctx.inputs.reward_model is None:
         return None
-    model, tok = load_reward_model(fetch_model(ctx, ctx.inputs.reward_model), ctx.cfg.model.dtype)
+    model, tok = load_reward_model(fetch_model(ctx, ctx.inputs.reward_model), inference_model(ctx.cfg.model).dtype)
     return score_distinct(gens, list(gens), lambda g: (g.prompt_index, g.text), lambda samples: reward_model_scores(
         model, tok, [prompts[g.prompt_index] + [assistant(g.text)] for g in samples], cfg.batch_size))
 

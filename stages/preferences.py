@@ -25,7 +25,7 @@ import torch
 
 from rlhf.core import progress
 from rlhf.core.config import PreferencesConfig
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer, resolve_model
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.sources import make_task
 from rlhf.engines.engine import HFEngine
@@ -39,14 +39,15 @@ def run(cfg: PreferencesConfig, ctx: StageContext) -> StageResult:
     policy = ctx.inputs.policy
     path = fetch_model(ctx, policy) if policy else resolve_model(ctx.cfg.model)
     policy_key = policy.key if policy else ""
-    judge, judge_name = make_judge(cfg, task, ctx.cfg.model.dtype)
+    mcfg = inference_model(ctx.cfg.model)  # sampling and judging only: model.inference_dtype
+    judge, judge_name = make_judge(cfg, task, mcfg.dtype)
     splits = {"train": task.train[: cfg.prompts], "eval": task.eval[: cfg.eval_prompts]}
     total = (sum(len(p) for p in splits.values()) * cfg.samples_per_prompt
              + len(splits["train"]) * cfg.contrast_samples)
     t0, done_before = time.perf_counter(), [0]
 
     def engine_for(model_path):
-        return HFEngine(load_causal_lm(model_path, ctx.cfg.model), load_tokenizer(model_path), cfg.batch_size)
+        return HFEngine(load_causal_lm(model_path, mcfg), load_tokenizer(model_path), cfg.batch_size)
 
     def sample(engine, problems, n):
         def log_progress(done: int, _total: int) -> None:

@@ -19,7 +19,7 @@ import torch
 from rlhf.core import progress
 from rlhf.core.config import RefLogprobsConfig
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
-from rlhf.core.models import load_causal_lm, load_tokenizer
+from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer
 from rlhf.data.pairs import stage_pairs
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.train.refcache import TABLE, read_entry, ref_table, reference_key, screen, write_entry
@@ -38,13 +38,14 @@ def run(cfg: RefLogprobsConfig, ctx: StageContext) -> StageResult:
     tokenizer = load_tokenizer(str(model_dir))
     pairs, problems = screen([tokenize_pair(tokenizer, r) for r in rows], cfg.max_length, pcfg.data.on_bad_row, ctx.log)
 
-    key = cache_key(model_dir, rows, cfg, pcfg.model.dtype)
+    mcfg = inference_model(pcfg.model)  # a frozen forward pass: model.inference_dtype
+    key = cache_key(model_dir, rows, cfg, mcfg.dtype)
     entry, table = read_entry(ctx, "ref_logprobs", key, REF_LOGPS_SCHEMA)
     metrics = {"ref_logprobs/pairs": float(len(pairs)), "ref_logprobs/forward_batches": 0.0, "ref_logprobs/cache_hit": 1.0}
     if table is not None:
         ctx.log.info("ref_logprobs: cache hit %s: zero forward passes", key[:12])
     else:
-        model = load_causal_lm(str(model_dir), pcfg.model)
+        model = load_causal_lm(str(model_dir), mcfg)
         t0, tokens = time.perf_counter(), [0]
 
         def on_batch(done: int, batch_tokens: int) -> None:

@@ -13,7 +13,7 @@ from rlhf.core import progress
 from rlhf.core.config import RolloutConfig
 from rlhf.engines.engine import HFEngine, SamplingParams
 from rlhf.engines.vllm_engine import make_vllm
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer, resolve_model
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.sources import make_task
 from rlhf.train.training import fetch_model
@@ -32,11 +32,11 @@ def run(cfg: RolloutConfig, ctx: StageContext) -> StageResult:
 
     prompts = [p.messages() for p in problems]
     if cfg.engine == "vllm":
-        with make_vllm(cfg, path, tok, ctx.cfg.model.dtype, ctx.cfg.run.seed) as engine:
+        with make_vllm(cfg, path, tok, inference_model(ctx.cfg.model).dtype, ctx.cfg.run.seed) as engine:
             gens = engine.generate(prompts, params, on_batch=on_batch)
     else:
         with torch.inference_mode():
-            gens = HFEngine(load_causal_lm(path, ctx.cfg.model), tok, cfg.batch_size).generate(prompts, params, on_batch=on_batch)
+            gens = HFEngine(load_causal_lm(path, inference_model(ctx.cfg.model)), tok, cfg.batch_size).generate(prompts, params, on_batch=on_batch)
     rows = [{"prompt_id": problems[g.prompt_index].id, "sample_index": g.sample_index, "prompt": problems[g.prompt_index].question,
              "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "finish_reason": g.finish_reason,
              # the verifier's score; none for open-ended prompts (nothing to verify against)

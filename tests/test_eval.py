@@ -12,6 +12,7 @@ from conftest import only, run_cli
 from rlhf.core.config import EvalConfig, StorageConfig
 from rlhf.ops.results import QueryRefused, query
 from rlhf.pipeline.runner import execute_stage
+from rlhf.core.models import inference_model
 from rlhf.core.store import ArtifactStore
 from stages.eval import battles, distinct, score_distinct
 from rlhf.core.tables import EVAL_SCHEMAS
@@ -58,6 +59,14 @@ def test_eval_stage_tables_chart_and_accumulating_views(tiny_cfg, tmp_path):
         m = execute_stage(cfg, "eval")
     assert m["rows"]["samples"] == 16 and m["rows"]["battles"] == 8 and m["rows"]["ratings"] == 2
     assert m["inputs"].keys() == {"sft"}
+    assert m["rows"]["answers_reused"] == 16  # run-a kept them: the same base, and SFT under the same key
+    # model.inference_dtype (the tiny profile's `auto`: bfloat16 on an AVX512_BF16 CPU): in another dtype, eval
+    # reruns and reuses none of the kept answers
+    other = "float32" if inference_model(cfg.model).dtype == "bfloat16" else "bfloat16"
+    redo = execute_stage(tiny_cfg(*BASE_AND_SFT, "run.name=run-b", f"model.inference_dtype={other}"), "eval")
+    assert redo["status"] == "ran" and redo["rows"]["answers_generated"] == 16 and redo["rows"]["answers_reused"] == 0
+    m = execute_stage(cfg, "eval")  # the profile's dtype again: every answer reused
+    assert m["rows"]["answers_reused"] == 16 and m["rows"]["samples"] == 16
     store = ArtifactStore(cfg.storage)
     for name, schema in EVAL_SCHEMAS.items():
         store.read_table(store.stage_path("run-b", "eval", f"{name}.parquet"), schema)  # asserts the schema

@@ -18,7 +18,7 @@ import torch
 from conftest import CONFIG, only, run_cli
 from rlhf.core import fingerprint
 from rlhf.core.loader import load_config
-from rlhf.core.models import tiny_model_dir
+from rlhf.core.models import native_bf16, tiny_model_dir
 from rlhf.pipeline.identity import explain
 from rlhf.pipeline.preflight import predicted_identities, predicted_keys
 from rlhf.pipeline.runner import execute_stage
@@ -190,3 +190,19 @@ def test_fingerprints_are_cached_by_content_stamp(tmp_path, monkeypatch):
     assert fingerprint.file_digest(f) == first and str(f) not in reads  # cached: not read again
     f.write_text("b\n")  # same size, new content
     assert fingerprint.file_digest(f) != first
+
+
+def test_inference_dtype_reaches_the_inference_stages_and_what_reads_them_not_training():
+    """model.inference_dtype: preferences, the reference cache and eval sample or score in it, so their keys
+    (and those of the stages that read their outputs) change; SFT never reads it; unset is the training
+    dtype; the key records the dtype `auto` resolved to on this machine."""
+    load = lambda value: load_config(CONFIG, "default", [f"model.inference_dtype={value}"])  # noqa: E731
+    before = predicted_keys(load("float32"))
+    after = predicted_identities(load("bfloat16"))
+    assert changed(before, predicted_keys(load("bfloat16"))) == {"preferences", "reward_model", "ref_logprobs", "dpo",
+                                                                "grpo", "eval"}
+    assert {s for s, ident in after.items() if "inference_dtype" in ident["model"]} == {"preferences", "ref_logprobs", "eval"}
+    assert predicted_keys(load("null")) == before
+    assert predicted_keys(load("auto")) == predicted_keys(load("bfloat16" if native_bf16() else "float32"))
+    explained = explain("eval", predicted_identities(load("float32"))["eval"], after["eval"])
+    assert any("inference_dtype" in line for line in explained), explained

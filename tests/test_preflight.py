@@ -136,7 +136,7 @@ def test_validate_prints_the_preflight():
 
 
 def test_bf16_on_a_cpu_is_native_only_with_its_flags(tmp_path):
-    from rlhf.pipeline.preflight import cpu_has_bf16
+    from rlhf.core.models import cpu_has_bf16
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
@@ -146,3 +146,15 @@ def test_bf16_on_a_cpu_is_native_only_with_its_flags(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16x\n")  # whole flags only
     assert not cpu_has_bf16(str(info))
     assert not cpu_has_bf16(str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("native, dtype, expected", [(True, "float32", "bfloat16"), (False, "float32", "float32"),
+                                                     (False, "bfloat16", "bfloat16")])
+def test_inference_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch, native, dtype, expected):
+    import rlhf.core.models as models
+    from rlhf.core.config import ModelConfig
+
+    monkeypatch.setattr(models, "native_bf16", lambda: native)
+    resolved = models.inference_model(ModelConfig(dtype=dtype, inference_dtype="auto"))
+    assert resolved.dtype == expected and not resolved.mixed_precision
+    assert models.inference_model(ModelConfig()).dtype == "float32"  # unset: the training dtype

@@ -14,7 +14,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 import rlhf.engines.logprobs
 from rlhf.core.config import ModelConfig
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
-from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
+from rlhf.core.models import load_causal_lm, load_tokenizer, native_bf16, resolve_model
 from conftest import only
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
@@ -104,6 +104,19 @@ def test_second_run_with_same_key_does_zero_forward_passes(tiny_cfg, monkeypatch
                                    "ref_logprobs.max_length=96", "dpo.max_length=96"), "ref_logprobs")
     assert third["metrics"]["ref_logprobs/cache_hit"] == 0.0 and calls[0] == 2
     assert third["outputs"]["cache_entry"] != first["outputs"]["cache_entry"]
+
+    # model.inference_dtype: the tiny profile's `auto` is bfloat16 on a CPU with AVX512_BF16; float32 is an entry
+    # of its own, computed again, with numbers near bfloat16's
+    calls[0] = 0
+    fourth = execute_stage(tiny_cfg(*only("ref_logprobs", "dpo"), "run.name=fourth", "model.inference_dtype=float32"),
+                           "ref_logprobs")
+    assert fourth["metrics"]["ref_logprobs/cache_hit"] == 0.0 and calls[0] == 2
+    assert fourth["outputs"]["cache_entry"] not in (first["outputs"]["cache_entry"], third["outputs"]["cache_entry"])
+    c = store.read_table(store.stage_path("fourth", "ref_logprobs", "ref_logps.parquet"), REF_LOGPS_SCHEMA)
+    auto, fp32 = (torch.tensor(t.column("ref_chosen_logps").to_pylist()) for t in (a, c))
+    if native_bf16():  # else auto is float32 too: the same numbers under another key
+        assert not torch.equal(auto, fp32)  # computed in another dtype, not read from the other entry
+    torch.testing.assert_close(auto, fp32, rtol=0.05, atol=0.5)  # bf16 keeps ~3 significant digits
 
 
 def test_over_long_pairs_are_reported_by_row(tiny_cfg, tmp_path):

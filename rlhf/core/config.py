@@ -91,6 +91,10 @@ class ModelConfig(Strict):
     # Mixed precision (Micikevicius et al. 2018): trained weights, gradients and AdamW states in float32,
     # compute in `dtype` (autocast); frozen models (reference, reward model) and LoRA bases stay in `dtype`.
     mixed_precision: bool = False
+    # dtype of the stages that only run inference (preferences sampling, the reference cache, rollout, eval);
+    # unset: `dtype`; auto: bfloat16 where the hardware computes it natively (a GPU that supports it, a CPU
+    # with AVX512_BF16 or AMX), else `dtype`. Trained and RL stages never read it.
+    inference_dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     tiny: TinyModelConfig = TinyModelConfig()
 
     @field_validator("name")

@@ -61,9 +61,10 @@ def read_prompts(store, digest: str) -> list[list[dict]] | None:
 
 
 def answers_key(weights: dict, prompts: list[list[dict]], params: SamplingParams, batch_size: int, verifier: str,
-                code: dict) -> str:
+                code: dict, dtype: str) -> str:
+    """`dtype`: the one the answers were generated in (a stage's key names its training dtype, not eval's)."""
     parts = {"weights": weights, "prompts": prompt_set(prompts), "params": params.__dict__, "batch_size": batch_size,
-             "verifier": verifier, "code": code}
+             "verifier": verifier, "code": code, "dtype": dtype}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from rlhf.core import codehash, fingerprint
 from rlhf.core.config import PipelineConfig
-from rlhf.core.models import model_identity
+from rlhf.core.models import inference_model, model_identity
 from rlhf.core.registry import SPECS
 
 # where a stage runs: not part of its key
@@ -57,6 +57,16 @@ def packages_part(cfg: PipelineConfig, stage: str, files: tuple[str, ...]) -> di
     return fingerprint.packages(codehash.third_party(files), extra)
 
 
+def model_part(cfg: PipelineConfig, stage: str) -> dict[str, Any]:
+    """The base model as `stage` sees it: inference-only stages record `model.inference_dtype` where it
+    changes their dtype; the others never read it, so setting it does not change their keys."""
+    part = {**model_identity(cfg.model), **fingerprint.model(cfg.model.name)}
+    used = inference_model(cfg.model).dtype
+    if SPECS[stage].kind == "inference" and used != cfg.model.dtype:
+        part["inference_dtype"] = used
+    return part
+
+
 def identity(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> dict[str, Any]:
     files = codehash.code_files(module_file(stage))
     return {
@@ -64,7 +74,7 @@ def identity(cfg: PipelineConfig, stage: str, input_keys: dict[str, str]) -> dic
         "config": cfg.stage(stage).model_dump(mode="json", exclude=PLACEMENT),
         # sections of other stages that this one reads (the RL loop samples with the rollout settings)
         "shared": shared_sections(cfg, stage),
-        "model": {**model_identity(cfg.model), **fingerprint.model(cfg.model.name)},
+        "model": model_part(cfg, stage),
         "data": data_part(cfg, stage),
         "seed": cfg.run.seed,
         "inputs": input_keys,

@@ -10,6 +10,7 @@ from rlhf.core.config import PipelineConfig
 from rlhf.core.registry import SPECS, locate, of_kind, plan, stage_inputs
 from rlhf.pipeline.identity import DATA_FILES, explain, identity, key_of
 from rlhf.core.manifest import ManifestError
+from rlhf.core.models import cpu_has_bf16
 from rlhf.core.store import ATTEMPT, endpoint_problem
 
 
@@ -146,28 +147,20 @@ def risky_settings(cfg: PipelineConfig) -> list[str]:
     if cfg.grpo.enabled and cfg.grpo.group_size < 4:
         warnings.append(f"grpo.group_size: {cfg.grpo.group_size} samples per prompt give a noisy group baseline; "
                         "DeepSeekMath uses 64, TRL defaults to 8")
-    if cfg.model.dtype != "float32":
+    for field, dtype in (("dtype", cfg.model.dtype), ("inference_dtype", cfg.model.inference_dtype)):
+        # a warning, not a refusal: the stages may run on a GPU work pool, not on the machine that checks
+        if dtype in (None, "auto", "float32"):  # auto takes bfloat16 only where it is native
+            continue
         try:
             import torch
 
-            if not torch.cuda.is_available() and not (cfg.model.dtype == "bfloat16" and cpu_has_bf16()):
-                warnings.append(f"model.dtype: {cfg.model.dtype} on this machine (no GPU; the CPU reports no "
-                                f"{'AVX512_BF16 or AMX' if cfg.model.dtype == 'bfloat16' else 'AVX512_FP16'}) is "
+            if not torch.cuda.is_available() and not (dtype == "bfloat16" and cpu_has_bf16()):
+                warnings.append(f"model.{field}: {dtype} on this machine (no GPU; the CPU reports no "
+                                f"{'AVX512_BF16 or AMX' if dtype == 'bfloat16' else 'AVX512_FP16'}) is "
                                 "emulated and slow; use float32 here")
         except ImportError:
             pass
     return warnings
-
-
-def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU computes bfloat16 natively (x86 AVX512_BF16 or AMX-BF16 in its Linux flags); other
-    CPUs emulate it, at a fraction of float32's speed."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def report(cfg: PipelineConfig, store) -> list[str]:
