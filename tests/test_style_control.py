@@ -42,6 +42,27 @@ def test_a_judge_that_only_likes_length_gives_a_raw_gap_and_no_controlled_gap():
     assert lc.gamma > 5 and lc.gamma_ci[0] > 0  # the judge's length preference, visible and significant
 
 
+def test_a_judge_that_length_separates_has_a_finite_converged_gamma():
+    # the longer answer always wins: without a prior on gamma the likelihood rises forever as gamma grows;
+    # with the weak prior the MAP exists, and at the returned point the log-posterior's gradient is zero
+    a, b, s, la, lb = length_judge_battles(300, seed=2)
+    decided = s != 0.5
+    a, b, s, z = a[decided], b[decided], s[decided], length_feature(la[decided], lb[decided])
+    t, gamma = fit(a, b, s, z, 2)
+    p = 1 / (1 + np.exp(-(t[0][a] - t[0][b] + gamma[0] * z)))
+    assert 5 < gamma[0] < 1e3
+    assert abs(np.sum((s - p) * z) - 0.01 * gamma[0]) < 1e-6  # d/dgamma of the log-posterior
+
+
+def test_bootstrap_rounds_started_from_the_fit_reach_the_same_optimum():
+    a, b, s, la, lb, prompt = simulate(200, 7, np.array([0.0, 0.4, -0.3]), 2.0)
+    z = length_feature(la, lb)
+    w = np.random.default_rng(0).poisson(1.0, (20, len(a))).astype(float)
+    t0, g0 = fit(a, b, s, z, 3)
+    cold, warm = fit(a, b, s, z, 3, weights=w), fit(a, b, s, z, 3, weights=w, start=np.append(t0[0], g0[0]))
+    assert np.allclose(cold[0], warm[0], atol=1e-9) and np.allclose(cold[1], warm[1], atol=1e-9)
+
+
 def simulate(n_prompts: int, seed: int, true_t: np.ndarray, gamma: float):
     """Every pair of 3 policies answers each prompt; lengths vary by policy and prompt; outcomes drawn from the
     style-controlled model, ties when a uniform draw lands within 0.05 of the decision."""

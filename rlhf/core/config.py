@@ -501,7 +501,7 @@ class RolloutConfig(Placement):
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
     max_new_tokens: int = Field(32, ge=1)  # response budget in tokens
     n: int = Field(1, ge=1)  # samples per prompt in the rollout stage
-    batch_size: int = Field(16, ge=1)  # prompts per generate call
+    batch_size: int = Field(16, ge=1)  # answers (prompt x sample) per generate call
 
 
 class PreferencesConfig(Placement):
@@ -520,7 +520,7 @@ class PreferencesConfig(Placement):
     temperature: float = Field(1.0, gt=0.0, le=10.0)  # sampling temperature (K > 1 needs diversity)
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
     max_new_tokens: int = Field(16, ge=1, le=4096)  # answer budget in tokens
-    batch_size: int = Field(32, ge=1)  # prompts per generate call
+    batch_size: int = Field(32, ge=1)  # answers (prompt x sample) per generate call
     seed: int = Field(0, ge=0, lt=2**32)  # sampling seed
     # verifier: the task's check; function: `reward_function` ('module:function', TRL's signature);
     # reward_model: the reward model at `reward_model_path` (a local folder or hub id): a sequence classifier, or a
@@ -852,7 +852,7 @@ class EvalConfig(Placement):
     temperature: float = Field(0.0, ge=0.0)  # 0: greedy; the same sampling params and seed for every policy
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling
     max_new_tokens: int = Field(32, ge=1)  # answer budget in tokens
-    batch_size: int = Field(32, ge=1)  # prompts per generate call
+    batch_size: int = Field(32, ge=1)  # answers (prompt x sample) per generate call
     seed: int = Field(0, ge=0, lt=2**32)  # sampling seed shared by every policy
 
     @field_validator("policies")

@@ -204,6 +204,20 @@ def autocast(cfg: ModelConfig, device: str = "cpu"):
 def load_causal_lm(path: str, cfg: ModelConfig, trained: bool = False):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(weights_dtype(cfg, trained)), attn_implementation=cfg.attn_implementation
     )
+    return contiguous_lm_head(model)
+
+
+def contiguous_lm_head(model):
+    """Hand the LM head a contiguous input. transformers slices the hidden states for `logits_to_keep`
+    ([B, T, H][:, -k:]), and torch.matmul (2.13, CPU) folds such a view into one matrix product only while
+    the weight requires grad: for a frozen head (an inference model, a LoRA policy's base) it broadcasts the
+    [H, V] weight to every row and copies it for a batched product. Measured on this model's 576 x 49152
+    head, 32 rows: 1,671 ms in bfloat16 and 44 ms in float32, against 3.4 and 8.5 ms contiguous. Same
+    numbers either way; the copy of the slice is B x k x H."""
+    head = model.get_output_embeddings()
+    if head is not None:
+        head.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+    return model
