@@ -94,11 +94,13 @@ def test_the_lm_head_gets_a_contiguous_input_and_the_same_logits():
         full = model(input_ids=ids).logits
     assert seen == [True, True]
     assert torch.equal(last, full[:, -2:])
-    # loaded without it, the same call hands the head a view: the hook is what makes it contiguous
+    # loaded without it, the same call hands the head a view (the hook is what makes it contiguous), and
+    # its logits are the hooked model's
     from transformers import AutoModelForCausalLM
 
     plain, seen_plain = AutoModelForCausalLM.from_pretrained(path), []
     plain.get_output_embeddings().register_forward_pre_hook(lambda _m, args: seen_plain.append(args[0].is_contiguous()))
     with torch.no_grad():
-        plain(input_ids=ids, logits_to_keep=2)
+        plain_last = plain(input_ids=ids, logits_to_keep=2).logits
     assert seen_plain == [False]
+    torch.testing.assert_close(plain_last, last)
