@@ -231,7 +231,6 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
     real prompts, returns one finite number per completion; a math_verify column is in every prompt row."""
     from rlhf.data.sources import make_task
     from rlhf.data.userdata import DataError
-    from rlhf.train.rewards import function_scores, import_reward_function
 
     lines, task = [], None
     for name in [s for s in plan(cfg) if SPECS[s].kind == "rl"]:
@@ -245,6 +244,10 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
                 raise DataError(f"{name}.rewards: math_verify reads column {spec.column!r}, which prompt {missing[0]} "
                                 f"lacks (its columns: {', '.join(sorted(task.train[0].columns())) or 'none'})")
             if spec.kind == "function":
+                # here, not at the top: the module brings torch, transformers and TRL (7-12 s), which a
+                # rerun with nothing to do never needs otherwise
+                from rlhf.train.rewards import function_scores, import_reward_function
+
                 try:
                     fn = import_reward_function(spec.function)
                     function_scores(fn, probe, [p.answer or "" for p in probe], [[] for _ in probe], spec.function)

@@ -18,6 +18,8 @@ SIGKILL with its whole group. After a child that did not end cleanly, `after` re
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import signal
 import sys
@@ -54,6 +56,11 @@ def fork_supervised(after: Callable[[int], None] | None = None, grace: float = G
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
         os.setpgid(0, 0)
+        # Registered before anything the flow registers, so it runs last: the interpreter's final garbage
+        # collections then skip the objects torch, transformers and Prefect made, which took 3 of the 4 s
+        # of a clean stop on 2 cores (py-spy: gc_collect_main after the last atexit handler) and more than
+        # 10 s on a loaded machine. Nothing needs them collected: the process is about to end.
+        atexit.register(gc.freeze)
         for sig in STOPS:
             signal.signal(sig, exit_on_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
