@@ -28,6 +28,8 @@ from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
 from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer, model_identity, resolve_model
 from rlhf.engines import answers
+from rlhf.envs.episodes import episode_stats, run_episodes
+from rlhf.envs.sandbox import Limits
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import assistant
@@ -72,6 +74,14 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
                                                                        else ctx.cfg.data.task)
     out, new, counts = {}, {}, {"generated": 0, "reused": 0}
     for k, policy in enumerate(cfg.policies):
+        if (env := cfg.environment) is not None:  # episodes: played here, never cached
+            path = policy_path(ctx, policy)
+            engine = HFEngine(load_causal_lm(path, inference_model(ctx.cfg.model)), load_tokenizer(path), cfg.batch_size)
+            out[policy] = run_episodes(engine, problems, params, env.name, env.max_turns, env.max_tokens,
+                                       Limits(env.timeout_s, env.memory_mb, env.max_observation_chars))
+            counts["generated"] += len(out[policy])
+            progress.report(ctx.stage, k + 1, len(cfg.policies))
+            continue
         key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier, code,
                                   inference_model(ctx.cfg.model).dtype)
         if (cached := answers.read(ctx.store, key)) is not None:
@@ -145,7 +155,9 @@ def log_ratio_to_reference(ctx: StageContext, cfg: EvalConfig, prompts, gens: di
     ref_lp = score_distinct(gens, scored, lambda g: (g.prompt_index, tuple(g.token_ids)), lambda samples: response_logps(
         model, [list(prompt_ids[g.prompt_index]) for g in samples], [g.token_ids for g in samples], tok.pad_token_id,
         cfg.batch_size))
-    out.update({p: [float(sum(g.logprobs) - sum(r)) for g, r in zip(gens[p], ref_lp[p])] for p in scored})
+    # an episode's environment tokens are no one's choice: both sums skip them (their logprobs are 0)
+    out.update({p: [float(sum(g.logprobs) - sum(x for x, m in zip(r, g.mask or [1] * len(r)) if m))
+                    for g, r in zip(gens[p], ref_lp[p])] for p in scored})
     return out
 
 
@@ -229,6 +241,8 @@ def run(cfg: EvalConfig, ctx: StageContext) -> StageResult:
                   "mean_response_tokens": np.mean([len(g.token_ids) for g in gens[p]]), "mean_log_ratio_to_ref": np.mean(kl[p])}
         if rm:
             values["mean_rm_reward"] = rm[p].mean()
+        if cfg.environment is not None:
+            values.update(episode_stats(gens[p]))
         metric_rows += [{"run": run_name, "policy": p, "name": k, "value": float(v)} for k, v in values.items()]
         metrics.update({f"eval/{k}/{p}": float(v) for k, v in values.items()})
     diffs = []

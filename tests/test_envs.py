@@ -199,27 +199,39 @@ def test_the_environments_tokens_reach_no_loss_term(tiny_policy):
     assert grad.abs().sum() > 0 and loss2 == pytest.approx(loss, abs=0) and torch.equal(grad, grad2)
 
 
-@pytest.mark.slow  # SFT then GRPO with the calculator on the tiny model, through the CLI
-def test_grpo_on_calculator_episodes_runs_end_to_end_and_keeps_whole_episodes(tmp_path):
+@pytest.mark.slow  # SFT, GRPO with the calculator (sampling on its own thread), eval on episodes: the CLI
+def test_calculator_episodes_through_the_cli_asynchronous_grpo_then_eval_on_episodes(tmp_path):
     store = tmp_path / "store"
-    args = ["--profile", "tiny", "--set", f"storage.url={store}", *[a for o in only("sft", "grpo") for a in ("--set", o)],
-            "--set", "grpo.environment={name: calculator, max_turns: 3, max_tokens: 48}", "--set", "grpo.iterations=2"]
+    env = "{name: calculator, max_turns: 3, max_tokens: 48}"
+    sets = [*only("sft", "grpo"), f"grpo.environment={env}", "grpo.iterations=2", "rollout.async.max_lag=1",
+            "grpo.logp_old=rollout", "eval.enabled=true", "eval.policies=[base, sft, grpo]", "eval.judge=verifier",
+            f"eval.environment={env}"]
+    args = ["--profile", "tiny", "--set", f"storage.url={store}", *[a for o in sets for a in ("--set", o)]]
     shown = run_cli("validate", *args)
     assert shown.returncode == 0, shown.stderr
     assert "grpo environment: rlhf.envs.calculator:Calculator, episodes of up to 3 turns and 48 tokens" in shown.stdout
+    assert "eval: episodes with rlhf.envs.calculator:Calculator, up to 3 turns and 48 tokens" in shown.stdout
     done = run_cli("run", "--run-name", "tools", *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     manifest = json.loads((store / "tools" / "grpo" / "manifest.json").read_text())
     assert 0.0 <= manifest["metrics"]["grpo/episode_success"] <= 1.0
     assert manifest["metrics"]["grpo/held_out_episode_turns"] >= 1.0
-    rows = json.loads(run_cli("query", "--format", "json", "--set", f"storage.url={store}", "SELECT 1 AS one").stdout)
-    assert rows == [{"one": 1}]
+    assert manifest["metrics"]["grpo/rollout_lag"] == 1.0  # iteration 2 sampled with the initial policy
     import pyarrow.parquet as pq
 
     table = pq.read_table(store / "tools" / "grpo" / "experience").to_pylist()
     assert table and all(r["policy_mask"] is not None and len(r["policy_mask"]) == len(r["response_ids"]) <= 48
                          for r in table)
     assert all(r["finish_reason"] in ("stop", "length", "max_turns", "env_done", "env_error") for r in table)
+    assert {(r["iteration"], r["policy_version"]) for r in table} == {(1, 0), (2, 0)}
+    # every policy played the same episodes; the metrics say how long they were, queryable in DuckDB
+    q = run_cli("query", "--format", "json", "--set", f"storage.url={store}",
+                "SELECT policy, value FROM metrics WHERE run = 'tools' AND name = 'episode_turns' ORDER BY policy")
+    assert q.returncode == 0, q.stderr
+    turns = json.loads(q.stdout)
+    assert [r["policy"] for r in turns] == ["base", "grpo", "sft"] and all(1.0 <= r["value"] <= 3.0 for r in turns)
+    samples = pq.read_table(store / "tools" / "eval" / "samples.parquet").to_pylist()
+    assert len(samples) == 3 * 8 and {r["policy"] for r in samples} == {"base", "sft", "grpo"}
 
 
 def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):

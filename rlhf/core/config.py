@@ -487,8 +487,22 @@ class VLLMOptions(Strict):
     sync_tolerance: float = Field(1e-3, gt=0.0)
 
 
+class AsyncRollout(Strict):
+    """The RL stages sample the next iterations while the trainer updates (rlhf/train/async_rollout.py)."""
+
+    # iteration j samples with the policy after update j - 1 - max_lag: 0 is the synchronous loop's samples,
+    # 1 overlaps one iteration's sampling with the previous one's update (verl's one-step-off)
+    max_lag: int = Field(1, ge=0, le=64)
+    # CPU threads of the sampling thread's kernels (torch.set_num_threads is per thread); null: torch's
+    # default, which on a CPU-only machine makes the two threads share every core
+    threads: int | None = Field(None, ge=1, le=1024)
+
+
 class RolloutConfig(Placement):
     """Sampling for the rollout stage and for the RL stages' experience generation."""
+
+    # `async` (a Python keyword) is the field `async_`: dumps say `async`, so a dump validates again
+    model_config = ConfigDict(**Placement.model_config, serialize_by_alias=True)
 
     enabled: bool = False  # run the rollout stage (the RL stages sample with these settings either way)
     policy: Literal["base", "sft", "dpo", "kto", "ppo", "grpo"] = "sft"  # the rollout stage's checkpoint
@@ -502,6 +516,8 @@ class RolloutConfig(Placement):
     max_new_tokens: int = Field(32, ge=1)  # response budget in tokens
     n: int = Field(1, ge=1)  # samples per prompt in the rollout stage
     batch_size: int = Field(16, ge=1)  # answers (prompt x sample) per generate call
+    # PPO and GRPO sample on a thread of their own while the trainer updates; null: sample, then update
+    async_: AsyncRollout | None = Field(None, alias="async")
 
 
 class PreferencesConfig(Placement):
@@ -854,6 +870,10 @@ class EvalConfig(Placement):
     max_new_tokens: int = Field(32, ge=1)  # answer budget in tokens
     batch_size: int = Field(32, ge=1)  # answers (prompt x sample) per generate call
     seed: int = Field(0, ge=0, lt=2**32)  # sampling seed shared by every policy
+    # answer as episodes with this environment (e.g. the one grpo trained with): every policy plays the same
+    # prompts and seeds, the judges see the whole transcript, and the metrics add turns, environment tokens
+    # and errors per episode. Episodes are not kept in the answers cache (`rlhf leaderboard` does not see them)
+    environment: EnvironmentConfig | None = None
 
     @field_validator("policies")
     @classmethod
@@ -921,6 +941,28 @@ class PipelineConfig(Strict):
             data = {**data, "ref_logprobs": {**ref, "max_length": length or DPOConfig.model_fields["max_length"].default}}
         return data
 
+    def _async_rollout(self) -> None:
+        """What rollout.async needs of each enabled RL stage."""
+        if (lag := self.rollout.async_) is None:
+            return
+        if self.rollout.engine != "hf":
+            raise ValueError(f"rollout.async: samples with rollout.engine: hf for now, got {self.rollout.engine!r}")
+        for name in ("ppo", "grpo"):
+            stage = getattr(self, name)
+            if not stage.enabled:
+                continue
+            if stage.launch.processes > 1 or stage.launch.ray.engine == "own":
+                raise ValueError(f"rollout.async: {name} samples on a thread of its one process for now; set "
+                                 f"{name}.launch.processes: 1 and leave {name}.launch.ray.engine unset")
+            if getattr(stage, "refill_rounds", 0):
+                raise ValueError(f"rollout.async: {name}.refill_rounds samples again within an iteration, which the "
+                                 "sampling thread does not do; set it to 0")
+            if lag.max_lag > 0 and stage.logp_old == "recompute" and stage.sampler_correction == "none":
+                raise ValueError(f"rollout.async.max_lag: {lag.max_lag} samples with a policy up to {lag.max_lag} "
+                                 f"updates older than the trainer's; {name} must weigh that: set {name}.logp_old: "
+                                 f"rollout (the ratio against the sampler's log-probs) or {name}.sampler_correction "
+                                 "(token_truncate: TIS)")
+
     @model_validator(mode="before")
     @classmethod
     def _reward_model_kind(cls, data):
@@ -936,6 +978,7 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _cross(self) -> PipelineConfig:
+        self._async_rollout()
         if self.grpo.environment is not None and self.rollout.engine != "hf":
             raise ValueError("grpo.environment: episodes are generated with rollout.engine: hf; "
                              f"{self.rollout.engine!r} is not supported with them yet")

@@ -104,6 +104,8 @@ EXPERIENCE_SCHEMA = pa.schema([
     # episodes (grpo.environment): 1 on the policy's tokens, 0 on the environment's; null for single answers
     pa.field("policy_mask", pa.list_(pa.int8())),
     pa.field("env_error", pa.string()),  # the environment's failure that ended the episode
+    # updates the sampling policy had had: iteration - 1, or less with rollout.async (the lag)
+    pa.field("policy_version", pa.int64()),
 ])
 ROLLOUT_SCHEMA = pa.schema([*_SAMPLE, pa.field("finish_reason", pa.string()), pa.field("reward", pa.float64())])
 

@@ -75,7 +75,7 @@ def _default(info) -> str:
 def rows(model: type[BaseModel], prefix: str, sources) -> list[str]:
     out = []
     for name, info in model.model_fields.items():
-        key = f"{prefix}.{name}"
+        key = f"{prefix}.{info.alias or name}"  # as users write it (`rollout.async`, a Python keyword)
         nested = info.annotation if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel) else None
         annotation, meaning = _defined_in(model, name, sources)
         if nested is not None:

@@ -269,4 +269,12 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
             lines.append(f"{name} environment: {resolve(env.name)}, episodes of up to {env.max_turns} turns and "
                          f"{env.max_tokens} tokens, in a child process ({env.timeout_s:g} s a call, {env.memory_mb} MB)")
         lines.append(f"{name} reward: " + " + ".join(terms))
+    if cfg.eval.enabled and (env := cfg.eval.environment) is not None:
+        from rlhf.envs.base import load_class, resolve
+
+        try:
+            load_class(env.name)
+        except ValueError as e:
+            raise DataError(f"eval.environment: {e}") from None
+        lines.append(f"eval: episodes with {resolve(env.name)}, up to {env.max_turns} turns and {env.max_tokens} tokens")
     return lines

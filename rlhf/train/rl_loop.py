@@ -12,12 +12,14 @@ clip (clip-higher) and optional dual clip. Every iteration's experience is a Par
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ from rlhf.envs.episodes import EpisodeEngine, episode_stats, run_episodes
 from rlhf.envs.sandbox import Limits
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
+from rlhf.train.async_rollout import Draw, Prefetcher
 from rlhf.train.rewards import load_reward_model, reward_model_scores, reward_terms, weighted_rewards
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import assistant
@@ -339,79 +342,110 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
     task = make_task(pcfg.data)
     reward = make_reward(cfg, task, scorers)
-    engine = make_engine(ctx, policy, tok, init, resume is not None, task)
-    if (env := getattr(cfg, "environment", None)) is not None:  # GRPO's multi-turn episodes
-        engine = EpisodeEngine(engine, env)
-    n_samples = cfg.samples_per_prompt()
-    t_start = time.perf_counter()
-    for it in range(first, cfg.iterations + 1):
-        t0 = time.perf_counter()
+    env = getattr(cfg, "environment", None)  # GRPO's multi-turn episodes
+    amp = lambda: autocast(pcfg.model, device.type)  # noqa: E731
+
+    def build_engine(model, tokenizer):
+        engine = make_engine(ctx, model, tokenizer, init, resume is not None, task)
+        return EpisodeEngine(engine, env) if env is not None else engine
+
+    def draw(engine, it: int) -> tuple:
         rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
         problems = rng.sample(task.rl, cfg.prompts_per_iteration)
-        params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, n_samples, pcfg.run.seed * 7919 + it)
-        with autocast(pcfg.model, device.type):
-            gens, scores = generate_and_score(engine, problems, params, reward)
-        scores = scores.to(device)
-        n_sampled, reward_sampled = len(gens), scores.mean().item()
-        term_means = {f"reward/{k}": sum(g.rewards[k] for g in gens) / len(gens) for k in gens[0].rewards}
-        if isinstance(engine, EpisodeEngine):
-            term_means.update(episode_stats(gens))
-        if getattr(cfg, "skip_uniform_groups", False):
-            gens, scores = informative(gens, scores, cfg.group_size)
-            problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
-            n_sampled += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
-            if not gens:  # every group uniform: nothing to learn from this iteration's samples
-                ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
-                             algo, it, reward_sampled)
-                if dist.is_main():
-                    write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, **term_means, "trained_fraction": 0.0,
-                                                      "kl_beta": state["beta"], "seconds": time.perf_counter() - t0})
-                end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
-                continue
-        probs = [problems[g.prompt_index] for g in gens]
-        prompt_ids = [chat_ids(tok, p.messages()) for p in probs]
-        batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
-        with autocast(pcfg.model, device.type):
-            # the sampler's log-probs already are the pre-update policy's (config says when that holds)
-            batch.logp_old = (batch.logp_rollout * batch.mask if cfg.logp_old == "rollout"
-                              else score_all(policy, batch, roll.temperature, cfg.minibatch_size))
-            if use_ref:
-                batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
-            if critic is not None:
-                batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
-        spec.advantages(cfg, batch, scores, state["beta"])
-        if cfg.sampler_correction != "none":
-            batch.weights = rl_math.sampler_correction(batch.logp_old, batch.logp_rollout, batch.mask,
-                                                       cfg.sampler_correction, cfg.sampler_correction_cap)
-        kl_seq = ((rl_math.kl_k1(batch.logp_old, batch.logp_ref) * batch.mask).sum(1).mean().item()
-                  if batch.logp_ref is not None else 0.0)
-        guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
+        params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, cfg.samples_per_prompt(),
+                                pcfg.run.seed * 7919 + it)
+        return (problems, rng, params, *generate_and_score(engine, problems, params, reward))
 
-        stats = update(Step(spec, cfg, it, models, optimizers, state["beta"], roll.temperature,
-                            lambda: autocast(pcfg.model, device.type), roll.max_new_tokens), batch)
-        if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion
-            stats.update(logp_mismatch(batch))
-        if batch.weights is not None:
-            stats["sampler_weight_mean"] = rl_math.masked_mean(batch.weights, batch.mask).item()
-        if (diff := engine.sync(policy)) is not None:  # an engine with its own copy of the weights
-            stats["sync_max_abs_diff"] = diff
-        state["beta"] = spec.next_beta(cfg, state["beta"], kl_seq, len(gens))
-        tokens = int(batch.mask.sum())
-        seconds = time.perf_counter() - t0
-        metrics = {"reward_mean": reward_sampled, **term_means, "reward_trained_mean": scores.mean().item(),
-                   "trained_fraction": len(gens) / n_sampled,
-                   "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
-                   "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
-                   "tokens_per_s": tokens / seconds, "seconds": seconds, **stats}
-        if dist.is_main():
-            write_iteration(ctx, it, algo, gens, probs, batch, scores, metrics)
-        eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
-        ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
-                     metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
-        end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+    engine, prefetch = None, None
+    if roll.async_ is None:
+        engine = build_engine(policy, tok)
+    else:  # sampling on its own thread, with its own copy of the policy (and of the tokenizer it mutates)
+        prefetch = Prefetcher(policy, lambda model: build_engine(model, copy.deepcopy(tok)), draw, first,
+                              cfg.iterations, roll.async_.max_lag, amp, roll.async_.threads)
+    try:  # the sampling thread stops with the loop, however it ends
+        t_start = time.perf_counter()
+        for it in range(first, cfg.iterations + 1):
+            t0 = time.perf_counter()
+            if prefetch is None:
+                with amp():
+                    d = Draw(*draw(engine, it), version=it - 1)
+            else:
+                d = prefetch.take(it)
+            wait = time.perf_counter() - t0  # asynchronous: how long the trainer waited for its samples
+            problems, rng, params, gens, scores = d.problems, d.rng, d.params, d.gens, d.scores.to(device)
+            n_sampled, reward_sampled = len(gens), scores.mean().item()
+            term_means = {f"reward/{k}": sum(g.rewards[k] for g in gens) / len(gens) for k in gens[0].rewards}
+            if env is not None:
+                term_means.update(episode_stats(gens))
+            if getattr(cfg, "skip_uniform_groups", False):
+                gens, scores = informative(gens, scores, cfg.group_size)
+                problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
+                n_sampled += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
+                if not gens:  # every group uniform: nothing to learn from this iteration's samples
+                    ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
+                                 algo, it, reward_sampled)
+                    if dist.is_main():
+                        write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, **term_means, "trained_fraction": 0.0,
+                                                          "kl_beta": state["beta"], "rollout_lag": it - 1 - d.version,
+                                                          "seconds": time.perf_counter() - t0})
+                    if prefetch is not None:
+                        prefetch.publish(it, policy)
+                    end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+                    continue
+            probs = [problems[g.prompt_index] for g in gens]
+            prompt_ids = [chat_ids(tok, p.messages()) for p in probs]
+            batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
+            with amp():
+                # the sampler's log-probs already are the pre-update policy's (config says when that holds)
+                batch.logp_old = (batch.logp_rollout * batch.mask if cfg.logp_old == "rollout"
+                                  else score_all(policy, batch, roll.temperature, cfg.minibatch_size))
+                if use_ref:
+                    batch.logp_ref = reference_logps(policy, ref, batch, roll.temperature, cfg.minibatch_size)
+                if critic is not None:
+                    batch.values = score_all(critic, batch, roll.temperature, cfg.minibatch_size, values=True)
+            spec.advantages(cfg, batch, scores, state["beta"])
+            if cfg.sampler_correction != "none":
+                batch.weights = rl_math.sampler_correction(batch.logp_old, batch.logp_rollout, batch.mask,
+                                                           cfg.sampler_correction, cfg.sampler_correction_cap)
+            kl_seq = ((rl_math.kl_k1(batch.logp_old, batch.logp_ref) * batch.mask).sum(1).mean().item()
+                      if batch.logp_ref is not None else 0.0)
+            guard(algo, it, "mean KL", kl_seq, cfg.max_kl)
 
-    engine.close()
-    return finish(algo, cfg, ctx, policy, tok, task, first, engine if isinstance(engine, EpisodeEngine) else None)
+            stats = update(Step(spec, cfg, it, models, optimizers, state["beta"], roll.temperature, amp,
+                                roll.max_new_tokens), batch)
+            if cfg.logp_old == "recompute":  # with the sampler's own log-probs there is no second opinion
+                stats.update(logp_mismatch(batch))
+            if batch.weights is not None:
+                stats["sampler_weight_mean"] = rl_math.masked_mean(batch.weights, batch.mask).item()
+            if prefetch is not None:
+                prefetch.publish(it, policy)
+                if d.sync_diff is not None:
+                    stats["sync_max_abs_diff"] = d.sync_diff
+                stats["sample_wait_s"] = wait
+            elif (diff := engine.sync(policy)) is not None:  # an engine with its own copy of the weights
+                stats["sync_max_abs_diff"] = diff
+            state["beta"] = spec.next_beta(cfg, state["beta"], kl_seq, len(gens))
+            tokens = int(batch.mask.sum())
+            seconds = time.perf_counter() - t0
+            metrics = {"reward_mean": reward_sampled, **term_means, "reward_trained_mean": scores.mean().item(),
+                       "trained_fraction": len(gens) / n_sampled,
+                       "reward_std": scores.std().item() if len(scores) > 1 else 0.0,
+                       "kl": kl_seq, "kl_beta": state["beta"], "response_length": tokens / len(gens),
+                       "tokens_per_s": tokens / seconds, "seconds": seconds, "rollout_lag": it - 1 - d.version, **stats}
+            if dist.is_main():
+                write_iteration(ctx, it, algo, gens, probs, batch, scores, metrics, d.version)
+            eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
+            ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
+                         metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
+            end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+
+        if engine is not None:
+            engine.close()
+        return finish(algo, cfg, ctx, policy, tok, task, first, env)
+    finally:
+        if prefetch is not None:
+            stopped = sys.exc_info()[0]  # SystemExit, KeyboardInterrupt: a stop signal
+            prefetch.close(wait=stopped is None or issubclass(stopped, Exception))
 
 
 def informative(gens: list, scores: torch.Tensor, group_size: int) -> tuple[list, torch.Tensor]:
@@ -636,7 +670,7 @@ def micro_step(step: Step, batch: Batch, rows, share: float) -> dict:
     return out
 
 
-def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -> None:
+def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics, version: int) -> None:
     def tok_list(t, i):
         return None if t is None else t[i, : len(gens[i].token_ids)].tolist()
 
@@ -645,7 +679,7 @@ def write_iteration(ctx, it, algo, gens, probs, batch: Batch, scores, metrics) -
         "response": g.text, "response_ids": g.token_ids, "logp_rollout": g.logprobs, "logp_old": tok_list(batch.logp_old, i),
         "logp_ref": tok_list(batch.logp_ref, i), "reward": float(scores[i]), "rewards": list(g.rewards.items()),
         "advantage": float(batch.advantages[i].sum() / max(len(g.token_ids), 1)), "finish_reason": g.finish_reason,
-        "policy_mask": g.mask, "env_error": g.error,
+        "policy_mask": g.mask, "env_error": g.error, "policy_version": version,
     } for i, g in enumerate(gens)]
     ctx.write_output("experience", rows, f"experience/iter-{it:06d}.parquet")  # one file of the declared folder
     write_metrics_row(ctx, it, algo, metrics)
@@ -657,7 +691,7 @@ def write_metrics_row(ctx, it: int, algo: str, metrics: dict) -> None:
     ctx.store.write_table(ctx.path("iterations", f"iter-{it:06d}.parquet"), pa.Table.from_pylist(m, schema=METRICS_SCHEMA), METRICS_SCHEMA)
 
 
-def finish(algo, cfg, ctx, policy, tok, task, first, episodic: EpisodeEngine | None = None) -> StageResult:
+def finish(algo, cfg, ctx, policy, tok, task, first, env=None) -> StageResult:
     if not dist.is_main():  # rank 0 evaluates and publishes; the launcher uses its result only
         return StageResult(outputs={})
     tables = [ctx.store.read_table(p, METRICS_SCHEMA) for p in ctx.store.glob(ctx.path("iterations", "*.parquet"))]
@@ -670,8 +704,7 @@ def finish(algo, cfg, ctx, policy, tok, task, first, episodic: EpisodeEngine | N
     if held_out:
         metrics[f"{algo}/accuracy"] = verifier_accuracy(policy, tok, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("%s: policy held-out accuracy %.3f", algo, metrics[f"{algo}/accuracy"])
-    if held_out and episodic is not None:  # with its environment: greedy episodes, the verifier on each transcript
-        env = episodic.cfg
+    if held_out and env is not None:  # with its environment: greedy episodes, the verifier on each transcript
         gens = run_episodes(HFEngine(policy, tok), held_out, SamplingParams(0.0, 1.0, cfg.eval_max_new_tokens),
                             env.name, env.max_turns, env.max_tokens,
                             Limits(env.timeout_s, env.memory_mb, env.max_observation_chars))
