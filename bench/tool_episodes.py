@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from rlhf.core.store import ArtifactStore
     from rlhf.data.sources import make_task
     from rlhf.engines.engine import HFEngine, SamplingParams
-    from rlhf.envs.episodes import episode_stats, run_episodes
+    from rlhf.envs.episodes import episode_stats, play
     from rlhf.maths.bradley_terry import paired_accuracy_diff, wilson_interval
 
     cfg = load_config(ROOT / "pipeline.yaml", args.profile, [f"storage.url={args.store}"])
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     for name, path in paths.items():
         model, tok = load_causal_lm(path, cfg.model), load_tokenizer(path)
         with torch.inference_mode():
-            eps = run_episodes(HFEngine(model, tok), problems, params, env.name, env.max_turns, env.max_tokens)
+            eps = play(HFEngine(model, tok), problems, params, env)
             plain = HFEngine(model, tok).generate([p.messages() for p in problems], params)
         for mode, gens in (("tool", eps), ("no_tool", plain)):
             ok = np.array([task.score(g.text, problems[g.prompt_index]) >= 1.0 for g in gens], float)

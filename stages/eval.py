@@ -28,8 +28,7 @@ from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
 from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer, model_identity, resolve_model
 from rlhf.engines import answers
-from rlhf.envs.episodes import episode_stats, run_episodes
-from rlhf.envs.sandbox import Limits
+from rlhf.envs.episodes import episode_stats, play
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.tasks import assistant
@@ -74,21 +73,15 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
                                                                        else ctx.cfg.data.task)
     out, new, counts = {}, {}, {"generated": 0, "reused": 0}
     for k, policy in enumerate(cfg.policies):
-        if (env := cfg.environment) is not None:  # episodes: played here, never cached
-            path = policy_path(ctx, policy)
-            engine = HFEngine(load_causal_lm(path, inference_model(ctx.cfg.model)), load_tokenizer(path), cfg.batch_size)
-            out[policy] = run_episodes(engine, problems, params, env.name, env.max_turns, env.max_tokens,
-                                       Limits(env.timeout_s, env.memory_mb, env.max_observation_chars))
-            counts["generated"] += len(out[policy])
-            progress.report(ctx.stage, k + 1, len(cfg.policies))
-            continue
-        key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier, code,
-                                  inference_model(ctx.cfg.model).dtype)
-        if (cached := answers.read(ctx.store, key)) is not None:
-            out[policy] = cached[0]
-            counts["reused"] += len(out[policy])
-            ctx.log.info("eval: %s: %d answers reused (%s)", policy, len(out[policy]), key[:12])
-            continue
+        key = None  # episodes (eval.environment) are played here every time, never cached
+        if cfg.environment is None:
+            key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier,
+                                      code, inference_model(ctx.cfg.model).dtype)
+            if (cached := answers.read(ctx.store, key)) is not None:
+                out[policy] = cached[0]
+                counts["reused"] += len(out[policy])
+                ctx.log.info("eval: %s: %d answers reused (%s)", policy, len(out[policy]), key[:12])
+                continue
         path = policy_path(ctx, policy)
         tok, model = load_tokenizer(path), load_causal_lm(path, inference_model(ctx.cfg.model))
 
@@ -96,8 +89,13 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
             ctx.log.info("eval: %s generated %d/%d", p, done, total)
             progress.report(ctx.stage, k + done / total, len(cfg.policies))
 
-        out[policy] = HFEngine(model, tok, cfg.batch_size).generate(prompts, params, on_batch=log)
-        new[policy] = key
+        engine = HFEngine(model, tok, cfg.batch_size)
+        if cfg.environment is not None:
+            out[policy] = play(engine, problems, params, cfg.environment)
+            progress.report(ctx.stage, k + 1, len(cfg.policies))
+        else:
+            out[policy] = engine.generate(prompts, params, on_batch=log)
+            new[policy] = key
         counts["generated"] += len(out[policy])
         del model
     return out, new, counts

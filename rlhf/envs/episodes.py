@@ -89,17 +89,26 @@ def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: 
             for ep in episodes]
 
 
+def play(engine, problems, params: SamplingParams, cfg, sandbox: Sandbox | None = None) -> list[Generation]:
+    """run_episodes with an environment section's settings (grpo.environment, eval.environment)."""
+    return run_episodes(engine, problems, params, cfg.name, cfg.max_turns, cfg.max_tokens, limits(cfg), sandbox)
+
+
+def limits(cfg) -> Limits:
+    """The sandbox bounds an environment section sets."""
+    return Limits(cfg.timeout_s, cfg.memory_mb, cfg.max_observation_chars)
+
+
 class EpisodeEngine:
     """The RL loop's engine when `grpo.environment` is set: episodes instead of single answers, over the
     HF engine that shares the policy's weights, with one sandboxed environment process for the stage."""
 
     def __init__(self, engine, cfg):
         self.engine, self.cfg = engine, cfg
-        self.box = Sandbox(cfg.name, Limits(cfg.timeout_s, cfg.memory_mb, cfg.max_observation_chars))
+        self.box = Sandbox(cfg.name, limits(cfg))
 
     def episodes(self, problems, params: SamplingParams) -> list[Generation]:
-        return run_episodes(self.engine, problems, params, self.cfg.name, self.cfg.max_turns, self.cfg.max_tokens,
-                            sandbox=self.box)
+        return play(self.engine, problems, params, self.cfg, sandbox=self.box)
 
     def sync(self, policy):
         return self.engine.sync(policy)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,7 +49,6 @@ class Draw:
     scores: torch.Tensor
     version: int  # the policy version that sampled it
     sync_diff: float | None = None  # the engine's check of its weights after loading that version
-    seconds: float = 0.0  # sampling and scoring time in the producer
 
 
 class Prefetcher:
@@ -78,8 +76,7 @@ class Prefetcher:
 
     def publish(self, version: int, policy) -> None:
         """The policy after `version` updates: kept while an iteration still to be sampled needs it."""
-        needed = {behaviour_version(it, self.start, self.max_lag) for it in range(version + 1, self.last + 1)}
-        if version not in needed:
+        if version + 1 + self.max_lag > self.last:  # the iteration it would sample (behaviour_version) is past the end
             return
         state = trainable_state(policy)
         with self.cond:
@@ -127,10 +124,9 @@ class Prefetcher:
                             params[name].copy_(value)
                     sync_diff = self.engine.sync(self.model)  # engines with weights of their own reload them
                     self.version = want
-                t0 = time.perf_counter()
                 with self.amp():
                     fields = self.draw(self.engine, it)
-                result = Draw(*fields, version=want, sync_diff=sync_diff, seconds=time.perf_counter() - t0)
+                result = Draw(*fields, version=want, sync_diff=sync_diff)
                 with self.cond:
                     self.ready[it] = result
                     self.cond.notify_all()

@@ -36,8 +36,7 @@ from rlhf.engines.prefix import forward as shared_prefix_forward
 from rlhf.engines.prefix import last_logits_only, pad_after_prefix, positions
 from rlhf.engines.generation import verifier_accuracy
 from rlhf.engines.logprobs import sequence_logps
-from rlhf.envs.episodes import EpisodeEngine, episode_stats, run_episodes
-from rlhf.envs.sandbox import Limits
+from rlhf.envs.episodes import EpisodeEngine, episode_stats, play
 from rlhf.core.models import autocast, load_causal_lm, load_tokenizer, torch_dtype, weights_dtype
 from rlhf.train import remote
 from rlhf.train.async_rollout import Draw, Prefetcher
@@ -388,9 +387,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
                         write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, **term_means, "trained_fraction": 0.0,
                                                           "kl_beta": state["beta"], "rollout_lag": it - 1 - d.version,
                                                           "seconds": time.perf_counter() - t0})
-                    if prefetch is not None:
-                        prefetch.publish(it, policy)
-                    end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+                    end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state, prefetch)
                     continue
             probs = [problems[g.prompt_index] for g in gens]
             prompt_ids = [chat_ids(tok, p.messages()) for p in probs]
@@ -418,7 +415,6 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             if batch.weights is not None:
                 stats["sampler_weight_mean"] = rl_math.masked_mean(batch.weights, batch.mask).item()
             if prefetch is not None:
-                prefetch.publish(it, policy)
                 if d.sync_diff is not None:
                     stats["sync_max_abs_diff"] = d.sync_diff
                 stats["sample_wait_s"] = wait
@@ -437,7 +433,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             eta = (time.perf_counter() - t_start) / (it - first + 1) * (cfg.iterations - it)
             ctx.log.info("%s iteration %d/%d reward %.3f KL %.4f clip %.3f %.1fs/it ETA %.0fs", algo, it, cfg.iterations,
                          metrics["reward_mean"], kl_seq, stats.get("clip_fraction", 0.0), seconds, eta)
-            end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state)
+            end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state, prefetch)
 
         if engine is not None:
             engine.close()
@@ -476,8 +472,11 @@ def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, devic
     return problems, gens, scores, drawn
 
 
-def end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state) -> None:
-    """What every iteration ends with, trained or skipped: progress, the periodic checkpoint, the test hook."""
+def end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state, prefetch=None) -> None:
+    """What every iteration ends with, trained or skipped: the policy's new version to the sampling thread
+    (first: it samples while the checkpoint is written), progress, the periodic checkpoint, the test hook."""
+    if prefetch is not None:
+        prefetch.publish(it, policy)
     progress.report(ctx.stage, it, cfg.iterations)
     if (it % cfg.save_every == 0 or it == cfg.iterations) and dist.is_main():
         save_checkpoint(ctx, it, policy, critic, tok, optimizers, state)
@@ -705,9 +704,7 @@ def finish(algo, cfg, ctx, policy, tok, task, first, env=None) -> StageResult:
         metrics[f"{algo}/accuracy"] = verifier_accuracy(policy, tok, task, held_out, cfg.eval_max_new_tokens)
         ctx.log.info("%s: policy held-out accuracy %.3f", algo, metrics[f"{algo}/accuracy"])
     if held_out and env is not None:  # with its environment: greedy episodes, the verifier on each transcript
-        gens = run_episodes(HFEngine(policy, tok), held_out, SamplingParams(0.0, 1.0, cfg.eval_max_new_tokens),
-                            env.name, env.max_turns, env.max_tokens,
-                            Limits(env.timeout_s, env.memory_mb, env.max_observation_chars))
+        gens = play(HFEngine(policy, tok), held_out, SamplingParams(0.0, 1.0, cfg.eval_max_new_tokens), env)
         metrics[f"{algo}/episode_success"] = sum(task.score(g.text, held_out[g.prompt_index]) >= 1.0
                                                  for g in gens) / len(gens)
         metrics.update({f"{algo}/held_out_{k}": v for k, v in episode_stats(gens).items()})
