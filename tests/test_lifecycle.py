@@ -196,6 +196,28 @@ def test_a_child_that_does_not_stop_is_killed_after_the_grace_or_a_second_signal
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+ORPHANING = textwrap.dedent("""
+    import subprocess, time
+    from rlhf.pipeline.supervise import fork_supervised
+    fork_supervised()
+    server = subprocess.Popen(["sleep", "300"])  # started, and not stopped by any exit handler
+    print(server.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_killed_parent_takes_what_the_flow_process_started_and_never_stopped():
+    """The parent SIGKILLed (no one left to kill the group): the flow process, stopped by the kernel's
+    SIGTERM, kills what remains of its group on the way out. Prefect's temporary server, started just
+    before the signal and not yet under the exit handler that stops it, outlived a run this way."""
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANING], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    server = psutil.Process(int(proc.stdout.readline()))
+    flow = psutil.Process(proc.pid).children()
+    proc.kill()
+    proc.wait(timeout=10)
+    assert not gone([server, *flow], within=10)
+
+
 @pytest.fixture
 def services(tmp_path):
     """`rlhf up` in a Prefect home of its own (it sets PREFECT_API_URL in the active profile); `rlhf down
