@@ -12,10 +12,11 @@ import torch
 from conftest import run_cli, only
 from rlhf.core.config import ModelConfig, TinyModelConfig
 from rlhf.core.models import load_causal_lm, load_tokenizer, tiny_model_dir
-from rlhf.engines.engine import Generation, SamplingParams
+from rlhf.engines.engine import Generation, SamplingParams, chat_ids
 from rlhf.envs.base import load_class
 from rlhf.envs.calculator import CalcError, Calculator, evaluate
 from rlhf.envs.episodes import episode_stats, run_episodes
+from rlhf.envs.feedback import is_right
 from rlhf.envs.sandbox import Limits, Sandbox
 from rlhf.train import rl_loop
 
@@ -147,6 +148,38 @@ def test_a_two_turn_episode_masks_the_environments_tokens(tiny_tokenizer):
     assert one.finish_reason == "max_turns" and sum(one.mask) == len(one.mask) == len(t1)
 
 
+@pytest.mark.parametrize("attempt, answer, right", [
+    ("12 + 7 = 19, so the answer is 19.", "19", True), ("The answer is 19.0", "19", True),
+    ("It is 1,019", "1019", True), ("19 or maybe 20", "19", False), ("no number", "19", False),
+    ("The animal is:\n  the Cat.", "cat", True), ("concat", "cat", False), ("", "cat", False)])
+def test_the_feedback_checker_reads_the_last_number_or_the_last_line(attempt, answer, right):
+    assert is_right(attempt, answer) is right
+
+
+def test_a_chat_environment_answers_as_the_next_user_turn_in_the_templates_format(tiny_tokenizer):
+    """Feedback: a wrong first attempt is told so as the next user turn; the second is right and ends the
+    episode. The transcript is token for token what the chat template makes of the whole conversation, and
+    the user turn's tokens (with the template's own separators) are masked out."""
+    tok = tiny_tokenizer
+    q, a1, a2 = "What is 12 times 7?", "The answer is 80.", "The answer is 84."
+    engine = Scripted(tok, [a1, a2])
+    opts = {"attempt_cost": 0.25, "message": "Wrong, try again."}
+    [g] = run_episodes(engine, [Problem(q)], SamplingParams(0.0, 1.0, 32), "feedback", 3, 256, options=opts)
+    convo = [{"role": "user", "content": q}, {"role": "assistant", "content": a1},
+             {"role": "user", "content": "Wrong, try again."}, {"role": "assistant", "content": a2}]
+    whole = tok(tok.apply_chat_template(convo, tokenize=False), add_special_tokens=False)["input_ids"]
+    prompt = chat_ids(tok, convo[:1])
+    n1, n2 = (len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in (a1, a2))  # with the EOS token
+    assert whole[: len(prompt) + len(g.token_ids)] == prompt + g.token_ids  # the template's closing newline after
+    assert g.mask[:n1] == [1] * n1 and g.mask[-n2:] == [1] * n2 and set(g.mask[n1:-n2]) == {0}
+    assert tok.decode(g.token_ids[n1:-n2]) == "\n<|im_start|>user\nWrong, try again.<|im_end|>\n<|im_start|>assistant\n"
+    assert g.finish_reason == "env_done" and g.rewards == {"env": -0.25} and g.error is None
+    assert episode_stats([g])["episode_turns"] == 2.0
+    # never right: every turn is spent, and each attempt that got feedback costs
+    [g] = run_episodes(Scripted(tok, [a1]), [Problem(q)], SamplingParams(0.0, 1.0, 32), "feedback", 3, 256, options=opts)
+    assert g.finish_reason == "stop" and g.rewards == {"env": -0.5} and episode_stats([g])["episode_turns"] == 3.0
+
+
 def test_a_failing_tool_ends_the_episode_with_its_error(tiny_tokenizer):
     engine = Scripted(tiny_tokenizer, ["<call>x</call>", "never said"])
     [g] = run_episodes(engine, [Problem("q")], SamplingParams(0.0, 1.0, 8), "envs_hostile:Crashes", 4, 256)
@@ -203,14 +236,15 @@ def test_the_environments_tokens_reach_no_loss_term(tiny_policy):
 def test_calculator_episodes_through_the_cli_asynchronous_grpo_then_eval_on_episodes(tmp_path):
     store = tmp_path / "store"
     env = "{name: calculator, max_turns: 3, max_tokens: 48}"
+    feedback = "{name: feedback, max_turns: 3, max_tokens: 48, options: {attempt_cost: 0.5}}"
     sets = [*only("sft", "grpo"), f"grpo.environment={env}", "grpo.iterations=2", "rollout.async.max_lag=1",
             "grpo.logp_old=rollout", "eval.enabled=true", "eval.policies=[base, sft, grpo]", "eval.judge=verifier",
-            f"eval.environment={env}"]
+            f"eval.environment={feedback}"]
     args = ["--profile", "tiny", "--set", f"storage.url={store}", *[a for o in sets for a in ("--set", o)]]
     shown = run_cli("validate", *args)
     assert shown.returncode == 0, shown.stderr
     assert "grpo environment: rlhf.envs.calculator:Calculator, episodes of up to 3 turns and 48 tokens" in shown.stdout
-    assert "eval: episodes with rlhf.envs.calculator:Calculator, up to 3 turns and 48 tokens" in shown.stdout
+    assert "eval: episodes with rlhf.envs.feedback:Feedback with attempt_cost=0.5, up to 3 turns and 48 tokens" in shown.stdout
     done = run_cli("run", "--run-name", "tools", *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     manifest = json.loads((store / "tools" / "grpo" / "manifest.json").read_text())
@@ -240,7 +274,12 @@ def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):
     for extra, why in ((["--set", "rollout.engine=vllm"], "grpo.environment: episodes are generated with rollout.engine: hf"),
                        (["--set", "grpo.launch.processes=2"], "episodes run in one process for now"),
                        (["--set", "grpo.environment={name: 'os:system; rm'}"], "grpo.environment.name"),
-                       (["--set", "grpo.environment={name: 'envs_hostile:NoStep'}"], "NoStep has no step method")):
+                       (["--set", "grpo.environment={name: 'envs_hostile:NoStep'}"], "NoStep has no step method"),
+                       (["--set", "grpo.environment={name: feedback, options: {attempt_cost: 2}}"],
+                        "attempt_cost must be a number in [0, 1], not 2"),
+                       (["--set", "grpo.environment={name: calculator, options: {depth: 1}}"],
+                        "options {'depth': 1} do not fit Calculator()"),
+                       (["--set", "grpo.environment={name: feedback, options: {'a b': 1}}"], "grpo.environment.options")):
         proc = run_cli(*base, *extra, env={"PYTHONPATH": os.path.dirname(__file__)})
         assert proc.returncode == 2 and why in proc.stderr, (extra, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr

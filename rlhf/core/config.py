@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import typing
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 
 class ConfigError(Exception):
@@ -787,9 +787,16 @@ class EnvironmentConfig(Strict):
     """Multi-turn episodes (rlhf/envs/): the policy's turns alternate with an environment's answers, whose
     tokens are masked out of every loss term."""
 
-    # calculator (built in: `<calc>12*7</calc>` answered `<result>84</result>`) or a class of yours,
-    # 'module:Class' with reset(problem) and step(turn) -> (observation, reward, done)
-    name: str = Field(pattern=r"^(calculator|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
+    # calculator (built in: `<calc>12*7</calc>` answered `<result>84</result>`), feedback (built in: a
+    # wrong answer is told so in the next user turn and tried again), or a class of yours, 'module:Class'
+    # with reset(problem) and step(turn) -> (observation, reward, done)
+    name: str = Field(pattern=r"^(calculator|feedback|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
+    # keyword arguments for the class (feedback: attempt_cost, the reward taken off per wrong attempt,
+    # and message); checked against its signature before the run starts
+    options: dict[Annotated[str, Field(pattern=r"^[A-Za-z_]\w{0,63}$")],
+                  Annotated[str, Field(max_length=2000)] | StrictInt | Annotated[float, Field(strict=True, allow_inf_nan=False)]
+                  | StrictBool] = Field(
+        default_factory=dict, max_length=32)
     max_turns: int = Field(4, ge=1, le=64)  # policy turns per episode (rollout.max_new_tokens bounds each)
     max_tokens: int = Field(256, ge=1, le=65_536)  # the episode's tokens after the prompt, both sides'
     # the environment runs in a child process: a call past timeout_s, or the child past memory_mb, ends the

@@ -4,22 +4,28 @@ and vectorisation add nothing for text, and a user's class needs no import of ou
 
     class MyEnv:
         stop = ("</tool>",)                  # strings that end a policy turn and hand over to the environment
+        chat = False                         # True: the end of the policy's chat turn hands over too
+        def __init__(self, **options): ...                 # environment.options, as keyword arguments
         def reset(self, problem: dict) -> None: ...        # the prompt row: {question, answer, columns}
         def step(self, turn: str) -> tuple[str | None, float, bool]:
             ...                                            # (observation, reward, done)
 
-A turn ends at the policy's end-of-sequence token (the episode ends: its final answer), at one of `stop`
-(the environment's turn: its observation text is appended to the transcript, and its tokens are masked out
-of every loss term), or at the turn's token budget. The episode's reward is the configured reward terms on
-the whole transcript, plus the sum of the rewards `step` returned.
+A turn ends at one of `stop` (an inline call: the observation text is appended to the transcript as it is),
+at the policy's end-of-sequence token, or at the turn's token budget. At the end-of-sequence token the
+episode ends, unless the class says `chat = True`: then the environment answers as the next user turn of
+the conversation, in the chat template's format, and the policy speaks again (a checker's feedback, a
+game's next state), until `step` says done or returns no observation. Either way the environment's tokens
+are masked out of every loss term. The episode's reward is the configured reward terms on the whole
+transcript, plus the sum of the rewards `step` returned.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 
-BUILTIN = {"calculator": "rlhf.envs.calculator:Calculator"}
+BUILTIN = {"calculator": "rlhf.envs.calculator:Calculator", "feedback": "rlhf.envs.feedback:Feedback"}
 
 
 @dataclass(frozen=True)
@@ -49,3 +55,18 @@ def load_class(spec: str):
         raise ValueError(f"environment {spec!r}: {name} has no {' or '.join(missing)} method (the protocol: "
                          "reset(problem), step(turn) -> (observation, reward, done))")
     return cls
+
+
+def check(spec: str, options: dict) -> str:
+    """Before a run: the class loads and takes `options` as keyword arguments (a class of the user's is
+    checked on its signature only: none of its code runs outside the sandbox; a built-in is built once,
+    which checks the values too). Returns 'module:Class'; ValueError naming what is wrong."""
+    cls = load_class(spec)
+    try:
+        inspect.signature(cls).bind(**options)
+        if spec in BUILTIN:
+            cls(**options)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"environment {spec!r}: options {options} do not fit {cls.__name__}"
+                         f"{inspect.signature(cls)}: {e}") from None
+    return resolve(spec)

@@ -1,9 +1,11 @@
 """Multi-turn rollouts: each (prompt, sample) is an episode. Every round, the live episodes' policy turns are
-generated in one batched call (HFEngine.continue_ids); a turn that ends in a tool call goes to the episode's
-environment (sandbox.py), whose observation is appended as tokens the policy did not produce: mask 0 and
-log-prob 0, so the loss, the KL and the importance ratios never see them (rl_loop.build_batch takes the
-mask). An episode ends at the policy's end-of-sequence token, when the environment says done or fails,
-after `max_turns` policy turns, or at `max_tokens` in all. The result is one Generation per episode,
+generated in one batched call (HFEngine.continue_ids); a turn that ends in a tool call (or, for a chat
+environment, at the end of the policy's chat turn) goes to the episode's environment (sandbox.py), whose
+observation is appended as tokens the policy did not produce: mask 0 and log-prob 0, so the loss, the KL
+and the importance ratios never see them (rl_loop.build_batch takes the mask). A chat environment's
+observation is the next user turn, in the chat template's own format. An episode ends at the policy's
+end-of-sequence token (for a chat environment: when the environment says done or has nothing to say),
+when the environment says done or fails, after `max_turns` policy turns, or at `max_tokens` in all. The result is one Generation per episode,
 ordered by (prompt, sample) as the single-turn engine orders them."""
 
 from __future__ import annotations
@@ -34,18 +36,35 @@ class Episode:
         self.mask += [int(policy)] * len(tokens)
 
 
+def chat_observation_ids(tok, messages: list[dict], observation: str) -> list[int]:
+    """The tokens that follow the policy's end-of-turn token to carry `observation` as the next user turn
+    and open the assistant's next one, as the chat template writes a conversation (for ChatML:
+    `\\n<|im_start|>user\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n`)."""
+    said = [*messages, {"role": "assistant", "content": "A"}]
+    before = tok.apply_chat_template(said, tokenize=False)
+    after = tok.apply_chat_template([*said, {"role": "user", "content": observation}], tokenize=False,
+                                    add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("a chat environment needs a chat template that extends a conversation by appending to it; "
+                         "this model's template rewrites earlier turns")
+    end = before.rfind(tok.eos_token) if tok.eos_token else -1  # the policy wrote up to its end-of-turn token
+    text = (before[end + len(tok.eos_token):] if end >= 0 else "") + after[len(before):]
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
 def problem_payload(problem) -> dict:
     """What an environment's reset receives: plain data, safe to send to its process."""
     return {"id": problem.id, "question": problem.question, "answer": problem.answer, "columns": problem.columns()}
 
 
 def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: int, max_tokens: int,
-                 limits: Limits = Limits(), sandbox: Sandbox | None = None) -> list[Generation]:
+                 limits: Limits = Limits(), sandbox: Sandbox | None = None, options: dict | None = None) -> list[Generation]:
     """The episodes of every (problem, sample): params.max_new_tokens bounds each policy turn."""
     tok = engine.tokenizer
-    stop = tuple(getattr(load_class(env), "stop", ()))
+    cls = load_class(env)
+    stop, chat = tuple(getattr(cls, "stop", ())), bool(getattr(cls, "chat", False))
     own = sandbox is None
-    box = sandbox or Sandbox(env, limits)
+    box = sandbox or Sandbox(env, limits, options)
     episodes = [Episode(i, s, chat_ids(tok, p.messages())) for i, p in enumerate(problems) for s in range(params.n)]
     try:
         for eid, ep in enumerate(episodes):
@@ -62,7 +81,8 @@ def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: 
             for (eid, ep), (toks, logps, why) in zip(live, outs):
                 ep.add(toks, logps, policy=True)
                 ep.turns += 1
-                if why != "tool" or turn == max_turns - 1:  # no answer to a call the policy cannot follow up
+                handover = why == "tool" or (chat and why == "stop")
+                if not handover or turn == max_turns - 1:  # no answer the policy could not follow up
                     ep.finish = why if why != "tool" else "max_turns"
                     continue
                 step = box.step(eid, tok.decode(toks, skip_special_tokens=True))
@@ -70,9 +90,13 @@ def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: 
                 if step.error is not None:
                     ep.finish, ep.error = "env_error", step.error
                     continue
+                if why == "stop" and not step.observation:  # a chat turn the environment does not answer
+                    ep.finish = "env_done" if step.done else "stop"
+                    continue
                 if step.observation:
-                    obs = tok(step.observation, add_special_tokens=False)["input_ids"][: max(0, max_tokens - len(ep.tokens))]
-                    ep.add(obs, [], policy=False)
+                    obs = (chat_observation_ids(tok, problems[ep.prompt_index].messages(), step.observation) if why == "stop"
+                           else tok(step.observation, add_special_tokens=False)["input_ids"])
+                    ep.add(obs[: max(0, max_tokens - len(ep.tokens))], [], policy=False)
                 if step.done:
                     ep.finish = "env_done"
                 elif len(ep.tokens) >= max_tokens:
@@ -91,7 +115,7 @@ def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: 
 
 def play(engine, problems, params: SamplingParams, cfg, sandbox: Sandbox | None = None) -> list[Generation]:
     """run_episodes with an environment section's settings (grpo.environment, eval.environment)."""
-    return run_episodes(engine, problems, params, cfg.name, cfg.max_turns, cfg.max_tokens, limits(cfg), sandbox)
+    return run_episodes(engine, problems, params, cfg.name, cfg.max_turns, cfg.max_tokens, limits(cfg), sandbox, cfg.options)
 
 
 def limits(cfg) -> Limits:
@@ -105,7 +129,7 @@ class EpisodeEngine:
 
     def __init__(self, engine, cfg):
         self.engine, self.cfg = engine, cfg
-        self.box = Sandbox(cfg.name, limits(cfg))
+        self.box = Sandbox(cfg.name, limits(cfg), cfg.options)
 
     def episodes(self, problems, params: SamplingParams) -> list[Generation]:
         return play(self.engine, problems, params, self.cfg, sandbox=self.box)

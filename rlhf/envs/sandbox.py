@@ -36,7 +36,7 @@ def _guard(event: str, args) -> None:
         raise PermissionError(f"the environment's sandbox refuses {event}")
 
 
-def _serve(conn, spec: str, memory_mb: int) -> None:
+def _serve(conn, spec: str, memory_mb: int, options: dict) -> None:
     """The child: builds environments on reset, answers steps, until the parent closes the pipe."""
     import resource
 
@@ -52,7 +52,7 @@ def _serve(conn, spec: str, memory_mb: int) -> None:
             return
         try:
             if op == "reset":
-                envs[eid] = cls()
+                envs[eid] = cls(**options)
                 envs[eid].reset(arg)
                 out = ("ok", None)
             elif op == "close":
@@ -75,8 +75,8 @@ class Sandbox:
     """The parent's handle: `reset`, `step` and `close` by episode id. A failed call returns (or records) the
     error; the child is restarted on the next reset after it died or was killed."""
 
-    def __init__(self, spec: str, limits: Limits = Limits()):
-        self.spec, self.limits = spec, limits
+    def __init__(self, spec: str, limits: Limits = Limits(), options: dict | None = None):
+        self.spec, self.limits, self.options = spec, limits, dict(options or {})
         self.proc = self.conn = None
         self.live: set[int] = set()  # episodes the current child holds
         self.lost: dict[int, str] = {}  # episodes whose child died: why
@@ -84,7 +84,7 @@ class Sandbox:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no torch threads or CUDA state inherited
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, self.spec, self.limits.memory_mb), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, self.spec, self.limits.memory_mb, self.options), daemon=True)
         self.proc.start()
         child.close()
 

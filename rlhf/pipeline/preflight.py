@@ -259,22 +259,26 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
             what = {"math_verify": f"math_verify({spec.column})", "function": f"function({spec.function})"}.get(spec.kind, spec.kind)
             terms.append(f"{spec.weight:g} x {what}")
         if (env := getattr(cfg.stage(name), "environment", None)) is not None:
-            from rlhf.envs.base import load_class, resolve
+            from rlhf.envs.base import check
 
             try:
-                load_class(env.name)
+                cls = check(env.name, env.options)
             except ValueError as e:
                 raise DataError(f"{name}.environment: {e}") from None
             terms.append("the environment's rewards")
-            lines.append(f"{name} environment: {resolve(env.name)}, episodes of up to {env.max_turns} turns and "
+            lines.append(f"{name} environment: {cls}{_options(env.options)}, episodes of up to {env.max_turns} turns and "
                          f"{env.max_tokens} tokens, in a child process ({env.timeout_s:g} s a call, {env.memory_mb} MB)")
         lines.append(f"{name} reward: " + " + ".join(terms))
     if cfg.eval.enabled and (env := cfg.eval.environment) is not None:
-        from rlhf.envs.base import load_class, resolve
+        from rlhf.envs.base import check
 
         try:
-            load_class(env.name)
+            cls = check(env.name, env.options)
         except ValueError as e:
             raise DataError(f"eval.environment: {e}") from None
-        lines.append(f"eval: episodes with {resolve(env.name)}, up to {env.max_turns} turns and {env.max_tokens} tokens")
+        lines.append(f"eval: episodes with {cls}{_options(env.options)}, up to {env.max_turns} turns and {env.max_tokens} tokens")
     return lines
+
+
+def _options(options: dict) -> str:
+    return f" with {', '.join(f'{k}={v!r}' for k, v in options.items())}" if options else ""
