@@ -1,10 +1,14 @@
-"""Tool use, measured: base, a run's SFT and its GRPO policy answer the same held-out prompts greedily, as
-episodes with the run's environment (grpo.environment) and as one answer without it. Success: the task's
-verifier accepts the whole transcript. 95% Wilson intervals per rate, paired-bootstrap intervals for the
-differences that matter (each policy with the tool against without it; GRPO against SFT with the tool).
+"""Episodes, measured: base and a run's trained policies answer the same held-out prompts greedily, as
+episodes with the run's environment (grpo.environment, or one given with --set) and as one answer without
+it. Success: the task's verifier accepts the whole transcript (its last answer). 95% Wilson intervals per
+rate, paired-bootstrap intervals for the differences that matter (each policy with the environment against
+without it; the last policy against the first, and the first against base, with it).
 
     .venv/bin/rlhf run --profile tools --set storage.url=/tmp/tools-store
     .venv/bin/python bench/tool_episodes.py --profile tools --store /tmp/tools-store --prompts 128
+    # the default run's policies with three attempts and feedback
+    .venv/bin/python bench/tool_episodes.py --profile default --store S --prompts 512 --max-new-tokens 16 \
+        --policies sft dpo grpo --set 'grpo.environment={name: feedback, max_turns: 3, max_tokens: 128}'
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--store", required=True)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=48, help="per policy turn (and for the one answer)")
+    ap.add_argument("--policies", nargs="+", default=["sft", "grpo"], help="trained stages of the run, besides base")
+    ap.add_argument("--set", action="append", default=[], help="a config override, as `rlhf run --set`")
     args = ap.parse_args(argv)
 
     from rlhf.core.loader import load_config
@@ -37,12 +43,12 @@ def main(argv=None) -> int:
     from rlhf.envs.episodes import episode_stats, play
     from rlhf.maths.bradley_terry import paired_accuracy_diff, wilson_interval
 
-    cfg = load_config(ROOT / "pipeline.yaml", args.profile, [f"storage.url={args.store}"])
+    cfg = load_config(ROOT / "pipeline.yaml", args.profile, [f"storage.url={args.store}", *args.set])
     env, store, task = cfg.grpo.environment, ArtifactStore(cfg.storage), make_task(cfg.data)
     problems = task.eval[: args.prompts]
     params = SamplingParams(0.0, 1.0, args.max_new_tokens)
     paths = {"base": resolve_model(cfg.model)}
-    for stage in ("sft", "grpo"):
+    for stage in args.policies:
         m = store.require_manifest(cfg.run.name, stage)
         paths[stage] = store.stage_path(cfg.run.name, stage, m["outputs"]["model"])
     correct, report = {}, {"prompts": len(problems), "environment": env.name, "max_turns": env.max_turns}
@@ -51,16 +57,18 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             eps = play(HFEngine(model, tok), problems, params, env)
             plain = HFEngine(model, tok).generate([p.messages() for p in problems], params)
-        for mode, gens in (("tool", eps), ("no_tool", plain)):
+        for mode, gens in (("episodes", eps), ("single", plain)):
             ok = np.array([task.score(g.text, problems[g.prompt_index]) >= 1.0 for g in gens], float)
             correct[(name, mode)] = ok
             lo, hi = wilson_interval(int(ok.sum()), len(ok))
             report[f"{name}/{mode}"] = {"success": round(float(ok.mean()), 3), "ci": [round(lo, 3), round(hi, 3)],
-                                        **({k: round(v, 3) for k, v in episode_stats(gens).items()} if mode == "tool" else {})}
+                                        **({k: round(v, 3) for k, v in episode_stats(gens).items()} if mode == "episodes" else {})}
         report[f"{name}/example"] = eps[0].text[:200]
         print(json.dumps(report), flush=True)
-    for a, b in ((("sft", "tool"), ("sft", "no_tool")), (("grpo", "tool"), ("grpo", "no_tool")),
-                 (("grpo", "tool"), ("sft", "tool")), (("sft", "tool"), ("base", "tool"))):
+    first, last = args.policies[0], args.policies[-1]
+    pairs = [((p, "episodes"), (p, "single")) for p in ["base", *args.policies]]
+    pairs += [((last, "episodes"), (first, "episodes")), ((first, "episodes"), ("base", "episodes"))]
+    for a, b in pairs:
         mean, lo, hi = paired_accuracy_diff(correct[a], correct[b])
         report[f"{'/'.join(a)} - {'/'.join(b)}"] = [round(mean, 3), round(lo, 3), round(hi, 3)]
     print(json.dumps(report))
