@@ -4,6 +4,7 @@ environment tokens no loss term sees, and GRPO on episodes through the CLI."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -18,6 +19,7 @@ from rlhf.envs.calculator import CalcError, Calculator, evaluate
 from rlhf.envs.episodes import episode_stats, run_episodes
 from rlhf.envs.feedback import is_right
 from rlhf.envs.sandbox import Limits, Sandbox
+from rlhf.maths import rl_math
 from rlhf.train import rl_loop
 
 @pytest.fixture(scope="module")
@@ -204,46 +206,86 @@ def test_a_two_turn_episodes_advantages_are_its_outcome_on_the_policys_tokens_on
     assert batch.advantages.tolist() == [[0.5, 0.5, 0, 0, 0, 0.5, 0.5], [-0.5, -0.5, 0, 0, 0, -0.5, -0.5]]
 
 
-def test_the_environments_tokens_reach_no_loss_term(tiny_policy):
+def test_ppo_carries_value_and_advantage_across_the_environments_tokens():
+    """GAE (Schulman et al. 2016) over the policy's tokens only, gamma 1, lam 0.5, the score 1 on the last
+    policy token and no KL; the environment's positions hold garbage values (9) that nothing reads:
+      A6 = 1 - .8 = .2;  A5 = (.8 - .6) + .5 * .2 = .3;  the environment's three tokens are skipped;
+      A1 = (.6 - .4) + .5 * .3 = .35;  A0 = (.4 - .2) + .5 * .35 = .375;  returns = A + V."""
+    batch, _ = two_turn_batch()
+    mask = batch.mask[:1]
+    rewards = rl_math.kl_penalized_rewards(torch.tensor([1.0]), torch.zeros(1, 7), mask, 0.0)
+    assert rewards.tolist() == [[0, 0, 0, 0, 0, 0, 1]]
+    values = torch.tensor([[0.2, 0.4, 9, 9, 9, 0.6, 0.8]])
+    adv, returns = rl_math.gae(rewards, values, mask, 1.0, 0.5)
+    assert adv[0].tolist() == pytest.approx([0.375, 0.35, 0, 0, 0, 0.3, 0.2])
+    assert returns[0].tolist() == pytest.approx([0.575, 0.75, 0, 0, 0, 0.9, 1.0])
+    # the loop's PPO advantages (whitened over the policy's tokens) stay 0 on the environment's
+    cfg = type("C", (), {"gamma": 1.0, "lam": 0.5})()
+    batch.logp_old, batch.values = batch.logp_rollout.clone(), values.expand(2, 7).clone()
+    rl_loop.ppo_advantages(cfg, batch, torch.tensor([1.0, 0.0]), 0.0)
+    assert (batch.advantages[:, 2:5] == 0).all() and (batch.returns[:, 2:5] == 0).all()
+    # the episode that scored 1 has the larger advantage on each of the policy's tokens (row 1 scored 0)
+    assert ((batch.advantages[0] - batch.advantages[1])[mask[0].bool()] > 0).all()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_the_environments_tokens_reach_no_loss_term(tiny_policy, algo):
     """Garbage in every per-token input at the environment's positions (old, reference and rollout log-probs,
-    advantages, importance weights) leaves the loss and the gradient exactly as they were."""
+    advantages, importance weights; PPO's old values and returns) leaves the loss and the gradients (the
+    policy's, and PPO's critic's) exactly as they were."""
+    models = {"policy": tiny_policy}
+    if algo == "ppo":
+        from transformers import AutoModelForTokenClassification
+
+        torch.manual_seed(0)
+        models["critic"] = AutoModelForTokenClassification.from_pretrained(
+            str(tiny_model_dir(TinyModelConfig())), num_labels=1)
+
     def grads(batch):
-        tiny_policy.zero_grad()
-        step = rl_loop.Step(rl_loop.ALGORITHMS["grpo"], cfg, 1, {"policy": tiny_policy}, {}, 0.1, 1.0,
+        for m in models.values():
+            m.zero_grad()
+        step = rl_loop.Step(rl_loop.ALGORITHMS[algo], cfg, 1, models, {}, 0.1, 1.0,
                             lambda: torch.autocast("cpu", enabled=False), 8)
         out = rl_loop.micro_step(step, batch, torch.arange(2), 1.0)
-        return out["policy_loss"], torch.cat([p.grad.flatten() for p in tiny_policy.parameters() if p.grad is not None])
+        return ({k: v for k, v in out.items() if k.endswith("loss")},
+                torch.cat([p.grad.flatten() for m in models.values() for p in m.parameters() if p.grad is not None]))
 
     cfg = type("C", (), {"group_size": 2, "scale_rewards": "group", "clip_eps": 0.2, "dual_clip": None,
-                         "clip_eps_high": None, "beta": 0.1, "loss_type": "dapo"})()
+                         "clip_eps_high": None, "beta": 0.1, "loss_type": "dapo", "gamma": 1.0, "lam": 0.95,
+                         "entropy_coef": 0.01, "vf_coef": 0.1, "value_clip": 0.2})()
     batch, scores = two_turn_batch()
     with torch.no_grad():
         batch.logp_old = rl_loop.score_all(tiny_policy, batch, 1.0, 2) + 0.05 * batch.mask
         batch.logp_ref = batch.logp_old - 0.1 * batch.mask
-    rl_loop.grpo_advantages(cfg, batch, scores, 0.1)
+        if algo == "ppo":
+            batch.values = rl_loop.score_all(models["critic"], batch, 1.0, 2, values=True) + 0.3 * batch.mask
+    rl_loop.ALGORITHMS[algo].advantages(cfg, batch, scores, 0.1)
     batch.weights = torch.ones_like(batch.mask)
-    loss, grad = grads(batch)
+    losses, grad = grads(batch)
     env = batch.mask == 0
     noise = torch.randn(batch.mask.shape) * 7
-    for name in ("logp_old", "logp_ref", "logp_rollout", "advantages", "weights"):
-        t = getattr(batch, name)
-        setattr(batch, name, torch.where(env, noise, t))
-    loss2, grad2 = grads(batch)
-    assert grad.abs().sum() > 0 and loss2 == pytest.approx(loss, abs=0) and torch.equal(grad, grad2)
+    names = ["logp_old", "logp_ref", "logp_rollout", "advantages", "weights"] + (["values", "returns"] if algo == "ppo" else [])
+    for name in names:
+        setattr(batch, name, torch.where(env, noise, getattr(batch, name)))
+    losses2, grad2 = grads(batch)
+    assert set(losses) == ({"policy_loss", "value_loss"} if algo == "ppo" else {"policy_loss"})
+    assert grad.abs().sum() > 0 and losses2 == pytest.approx(losses, abs=0) and torch.equal(grad, grad2)
 
 
-@pytest.mark.slow  # SFT, GRPO with the calculator (sampling on its own thread), eval on episodes: the CLI
-def test_calculator_episodes_through_the_cli_asynchronous_grpo_then_eval_on_episodes(tmp_path):
+@pytest.mark.slow  # SFT, GRPO with the calculator and PPO with feedback (sampling on their own thread), eval on episodes: the CLI
+def test_episodes_through_the_cli_asynchronous_grpo_and_ppo_then_eval_on_episodes(tmp_path):
     store = tmp_path / "store"
     env = "{name: calculator, max_turns: 3, max_tokens: 48}"
     feedback = "{name: feedback, max_turns: 3, max_tokens: 48, options: {attempt_cost: 0.5}}"
-    sets = [*only("sft", "grpo"), f"grpo.environment={env}", "grpo.iterations=2", "rollout.async.max_lag=1",
-            "grpo.logp_old=rollout", "eval.enabled=true", "eval.policies=[base, sft, grpo]", "eval.judge=verifier",
-            f"eval.environment={feedback}"]
+    sets = [*only("sft", "ppo", "grpo"), f"grpo.environment={env}", "grpo.iterations=2", "rollout.async.max_lag=1",
+            "grpo.logp_old=rollout", f"ppo.environment={feedback}", "ppo.iterations=2", "ppo.prompts_per_iteration=2",
+            "ppo.minibatch_size=2", "ppo.eval_prompts=4", "ppo.logp_old=rollout",
+            "eval.enabled=true", "eval.policies=[base, sft, grpo]", "eval.judge=verifier", f"eval.environment={feedback}"]
     args = ["--profile", "tiny", "--set", f"storage.url={store}", *[a for o in sets for a in ("--set", o)]]
     shown = run_cli("validate", *args)
     assert shown.returncode == 0, shown.stderr
     assert "grpo environment: rlhf.envs.calculator:Calculator, episodes of up to 3 turns and 48 tokens" in shown.stdout
+    assert "ppo environment: rlhf.envs.feedback:Feedback with attempt_cost=0.5, episodes of up to 3 turns" in shown.stdout
     assert "eval: episodes with rlhf.envs.feedback:Feedback with attempt_cost=0.5, up to 3 turns and 48 tokens" in shown.stdout
     done = run_cli("run", "--run-name", "tools", *args)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -258,6 +300,13 @@ def test_calculator_episodes_through_the_cli_asynchronous_grpo_then_eval_on_epis
                          for r in table)
     assert all(r["finish_reason"] in ("stop", "length", "max_turns", "env_done", "env_error") for r in table)
     assert {(r["iteration"], r["policy_version"]) for r in table} == {(1, 0), (2, 0)}
+    # PPO on feedback episodes (the masks and the advantages across them are the tests above), its critic beside
+    ppo = pq.read_table(store / "tools" / "ppo" / "experience").to_pylist()
+    assert len(ppo) == 4 and all(len(r["policy_mask"]) == len(r["response_ids"]) <= 48 for r in ppo)
+    assert all(r["finish_reason"] in ("stop", "length", "max_turns", "env_done") for r in ppo)
+    ppo_metrics = json.loads((store / "tools" / "ppo" / "manifest.json").read_text())["metrics"]
+    assert 0.0 <= ppo_metrics["ppo/episode_success"] <= 1.0 and ppo_metrics["ppo/held_out_episode_turns"] >= 1.0
+    assert math.isfinite(ppo_metrics["ppo/value_loss"])
     # every policy played the same episodes; the metrics say how long they were, queryable in DuckDB
     q = run_cli("query", "--format", "json", "--set", f"storage.url={store}",
                 "SELECT policy, value FROM metrics WHERE run = 'tools' AND name = 'episode_turns' ORDER BY policy")
@@ -273,6 +322,8 @@ def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):
             "--set", "grpo.environment={name: calculator}"]
     for extra, why in ((["--set", "rollout.engine=vllm"], "grpo.environment: episodes are generated with rollout.engine: hf"),
                        (["--set", "grpo.launch.processes=2"], "episodes run in one process for now"),
+                       (["--set", "ppo.environment={name: feedback}", "--set", "ppo.launch.processes=2"],
+                        "episodes run in one process for now"),
                        (["--set", "grpo.environment={name: 'os:system; rm'}"], "grpo.environment.name"),
                        (["--set", "grpo.environment={name: 'envs_hostile:NoStep'}"], "NoStep has no step method"),
                        (["--set", "grpo.environment={name: feedback, options: {attempt_cost: 2}}"],

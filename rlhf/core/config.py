@@ -664,6 +664,29 @@ class RewardSpec(Strict):
         return self.name or (self.function.rpartition(":")[2].lower() if self.function else self.kind)
 
 
+class EnvironmentConfig(Strict):
+    """Multi-turn episodes (rlhf/envs/): the policy's turns alternate with an environment's answers, whose
+    tokens are masked out of every loss term."""
+
+    # calculator (built in: `<calc>12*7</calc>` answered `<result>84</result>`), feedback (built in: a
+    # wrong answer is told so in the next user turn and tried again), or a class of yours, 'module:Class'
+    # with reset(problem) and step(turn) -> (observation, reward, done)
+    name: str = Field(pattern=r"^(calculator|feedback|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
+    # keyword arguments for the class (feedback: attempt_cost, the reward taken off per wrong attempt,
+    # and message); checked against its signature before the run starts
+    options: dict[Annotated[str, Field(pattern=r"^[A-Za-z_]\w{0,63}$")],
+                  Annotated[str, Field(max_length=2000)] | StrictInt | Annotated[float, Field(strict=True, allow_inf_nan=False)]
+                  | StrictBool] = Field(
+        default_factory=dict, max_length=32)
+    max_turns: int = Field(4, ge=1, le=64)  # policy turns per episode (rollout.max_new_tokens bounds each)
+    max_tokens: int = Field(256, ge=1, le=65_536)  # the episode's tokens after the prompt, both sides'
+    # the environment runs in a child process: a call past timeout_s, or the child past memory_mb, ends the
+    # episode with the error recorded (rlhf/envs/sandbox.py)
+    timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
+    memory_mb: int = Field(1024, ge=64, le=1_048_576)  # the child's address-space cap (RLIMIT_AS)
+    max_observation_chars: int = Field(2000, ge=1, le=1_000_000)  # an observation is cut to this
+
+
 class RLOptions(Placement):
     """Batch shape of one RL iteration; shared by PPO and GRPO."""
 
@@ -708,6 +731,8 @@ class RLOptions(Placement):
     eval_max_new_tokens: int = Field(16, ge=1)  # generation budget of those answers
     # several processes: rollouts sharded by engine batch, gradients summed across ranks (ddp only)
     launch: LaunchConfig = LaunchConfig()
+    # multi-turn episodes with a tool or another environment; null: one answer per sample
+    environment: EnvironmentConfig | None = None
 
     def rollouts_per_iteration(self) -> int:
         return self.prompts_per_iteration * self.samples_per_prompt()
@@ -759,6 +784,11 @@ class RLOptions(Placement):
                 f"minibatch_size: must divide the rollouts per iteration ({n} = prompts_per_iteration "
                 f"x samples per prompt), got {self.minibatch_size}"
             )
+        if self.environment is not None and self.launch.processes > 1:
+            raise ValueError("environment: episodes run in one process for now; set launch.processes: 1")
+        if self.environment is not None and self.launch.ray.engine == "own":
+            raise ValueError("environment: episodes run with the rollout engine in the training process; "
+                             "launch.ray.engine: own is not supported with them yet")
         return self
 
 
@@ -783,29 +813,6 @@ class PPOConfig(RLOptions):
         return self.kl.beta > 0 or self.kl.mode == "adaptive"  # the KL penalty, or a controller that may raise it
 
 
-class EnvironmentConfig(Strict):
-    """Multi-turn episodes (rlhf/envs/): the policy's turns alternate with an environment's answers, whose
-    tokens are masked out of every loss term."""
-
-    # calculator (built in: `<calc>12*7</calc>` answered `<result>84</result>`), feedback (built in: a
-    # wrong answer is told so in the next user turn and tried again), or a class of yours, 'module:Class'
-    # with reset(problem) and step(turn) -> (observation, reward, done)
-    name: str = Field(pattern=r"^(calculator|feedback|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
-    # keyword arguments for the class (feedback: attempt_cost, the reward taken off per wrong attempt,
-    # and message); checked against its signature before the run starts
-    options: dict[Annotated[str, Field(pattern=r"^[A-Za-z_]\w{0,63}$")],
-                  Annotated[str, Field(max_length=2000)] | StrictInt | Annotated[float, Field(strict=True, allow_inf_nan=False)]
-                  | StrictBool] = Field(
-        default_factory=dict, max_length=32)
-    max_turns: int = Field(4, ge=1, le=64)  # policy turns per episode (rollout.max_new_tokens bounds each)
-    max_tokens: int = Field(256, ge=1, le=65_536)  # the episode's tokens after the prompt, both sides'
-    # the environment runs in a child process: a call past timeout_s, or the child past memory_mb, ends the
-    # episode with the error recorded (rlhf/envs/sandbox.py)
-    timeout_s: float = Field(5.0, gt=0.0, le=3600.0)
-    memory_mb: int = Field(1024, ge=64, le=1_048_576)  # the child's address-space cap (RLIMIT_AS)
-    max_observation_chars: int = Field(2000, ge=1, le=1_000_000)  # an observation is cut to this
-
-
 class GRPOConfig(RLOptions):
     group_size: int = Field(4, ge=2)  # G samples per prompt (Shao et al. 2024)
     beta: float = Field(0.04, ge=0.0)  # k3 KL penalty weight in the loss (DeepSeekMath sec. 4.1)
@@ -825,18 +832,11 @@ class GRPOConfig(RLOptions):
     # advantages r - mean_g divided by the group's std (group), the batch's std (batch) or not at all
     # (none: Dr. GRPO, which finds the group std a question-level difficulty bias); TRL's scale_rewards
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    # multi-turn episodes with a tool or another environment; null: one answer per sample
-    environment: EnvironmentConfig | None = None
 
     @model_validator(mode="after")
     def _refill(self) -> GRPOConfig:
         if self.refill_rounds and not self.skip_uniform_groups:
             raise ValueError("refill_rounds: refills the groups skip_uniform_groups drops; set skip_uniform_groups: true")
-        if self.environment is not None and self.launch.processes > 1:
-            raise ValueError("environment: episodes run in one process for now; set launch.processes: 1")
-        if self.environment is not None and self.launch.ray.engine == "own":
-            raise ValueError("environment: episodes run with the rollout engine in the training process; "
-                             "launch.ray.engine: own is not supported with them yet")
         return self
 
     def samples_per_prompt(self) -> int:
@@ -986,9 +986,10 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _cross(self) -> PipelineConfig:
         self._async_rollout()
-        if self.grpo.environment is not None and self.rollout.engine != "hf":
-            raise ValueError("grpo.environment: episodes are generated with rollout.engine: hf; "
-                             f"{self.rollout.engine!r} is not supported with them yet")
+        for name in ("ppo", "grpo"):
+            if getattr(self, name).environment is not None and self.rollout.engine != "hf":
+                raise ValueError(f"{name}.environment: episodes are generated with rollout.engine: hf; "
+                                 f"{self.rollout.engine!r} is not supported with them yet")
         if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
             raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
         prefs = self.preferences

@@ -101,7 +101,7 @@ EXPERIENCE_SCHEMA = pa.schema([
     pa.field("rewards", pa.map_(pa.string(), pa.float64())),  # each reward term's value, by name
     pa.field("advantage", pa.float64()),  # mean over the response tokens
     pa.field("finish_reason", pa.string()),
-    # episodes (grpo.environment): 1 on the policy's tokens, 0 on the environment's; null for single answers
+    # episodes (ppo/grpo.environment): 1 on the policy's tokens, 0 on the environment's; null for single answers
     pa.field("policy_mask", pa.list_(pa.int8())),
     pa.field("env_error", pa.string()),  # the environment's failure that ended the episode
     # updates the sampling policy had had: iteration - 1, or less with rollout.async (the lag)

@@ -114,7 +114,7 @@ def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: 
 
 
 def play(engine, problems, params: SamplingParams, cfg, sandbox: Sandbox | None = None) -> list[Generation]:
-    """run_episodes with an environment section's settings (grpo.environment, eval.environment)."""
+    """run_episodes with an environment section's settings (ppo.environment, grpo.environment, eval.environment)."""
     return run_episodes(engine, problems, params, cfg.name, cfg.max_turns, cfg.max_tokens, limits(cfg), sandbox, cfg.options)
 
 
@@ -124,8 +124,9 @@ def limits(cfg) -> Limits:
 
 
 class EpisodeEngine:
-    """The RL loop's engine when `grpo.environment` is set: episodes instead of single answers, over the
-    HF engine that shares the policy's weights, with one sandboxed environment process for the stage."""
+    """The RL loop's engine when `ppo.environment` or `grpo.environment` is set: episodes instead of single
+    answers, over the HF engine that shares the policy's weights, with one sandboxed environment process for
+    the stage."""
 
     def __init__(self, engine, cfg):
         self.engine, self.cfg = engine, cfg

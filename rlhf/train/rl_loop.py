@@ -341,7 +341,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
     task = make_task(pcfg.data)
     reward = make_reward(cfg, task, scorers)
-    env = getattr(cfg, "environment", None)  # GRPO's multi-turn episodes
+    env = cfg.environment  # multi-turn episodes (PPO and GRPO alike: GAE skips the masked tokens)
     amp = lambda: autocast(pcfg.model, device.type)  # noqa: E731
 
     def build_engine(model, tokenizer):
