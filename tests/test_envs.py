@@ -334,3 +334,40 @@ def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):
         proc = run_cli(*base, *extra, env={"PYTHONPATH": os.path.dirname(__file__)})
         assert proc.returncode == 2 and why in proc.stderr, (extra, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr
+
+
+def test_a_crashed_rl_stage_on_episodes_closes_its_environment_and_resumes_each_prompt_once(tiny_cfg, monkeypatch):
+    """A crash after iteration 3 (checkpoint at 2): the environment's process goes with the failed stage
+    (not when the worker exits), and the resume replays iterations 3 and 4, each on its own prompts."""
+    import multiprocessing
+    import random
+
+    from rlhf.core.store import ArtifactStore
+    from rlhf.data.sources import make_task
+    from rlhf.pipeline.runner import execute_stage
+    from rlhf.train.training import CRASH_ENV, InjectedCrash
+    from test_async_rollout import GRPO, experience
+    from test_rl import _digest, rl_cfg
+
+    cfg = rl_cfg(tiny_cfg, "grpo", *GRPO, "grpo.iterations=4", "grpo.save_every=2",
+                 "grpo.environment={name: feedback, max_turns: 2, max_tokens: 24}")
+    store = ArtifactStore(cfg.storage)
+    children = set(multiprocessing.active_children())
+    monkeypatch.setenv(CRASH_ENV, "grpo:3")
+    with pytest.raises(InjectedCrash) as crashed:  # held, as an orchestrator holds a failed task's error
+        execute_stage(cfg, "grpo")
+    # the sandbox was closed with the stage, not left to the garbage collector of the error's frames
+    assert set(multiprocessing.active_children()) <= children, crashed.value
+    path = lambda i: store.stage_path(cfg.run.name, "grpo", "experience", f"iter-{i:06d}.parquet")  # noqa: E731
+    before = {i: _digest(store, path(i)) for i in (1, 2)}
+    monkeypatch.delenv(CRASH_ENV)
+    m = execute_stage(cfg, "grpo")
+    assert m["status"] == "resumed" and m["resumed_from_step"] == 2
+    assert {i: _digest(store, path(i)) for i in (1, 2)} == before  # the checkpoint's iterations: not rewritten
+    task = make_task(cfg.data)
+    for it in (1, 2, 3, 4):
+        rows = experience(cfg, it)
+        assert all(r["policy_mask"] is not None for r in rows)
+        drawn = random.Random(cfg.run.seed * 7919 + it).sample(task.rl, cfg.grpo.prompts_per_iteration)
+        assert sorted((r["prompt_id"], r["sample_index"]) for r in rows) == sorted(
+            (p.id, s) for p in drawn for s in range(cfg.grpo.group_size)), it

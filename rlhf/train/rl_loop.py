@@ -437,8 +437,11 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
         if engine is not None:
             engine.close()
+            engine = None
         return finish(algo, cfg, ctx, policy, tok, task, first, env)
     finally:
+        if engine is not None:  # a failed iteration: the environment's process goes with the stage, not at exit
+            engine.close()
         if prefetch is not None:
             stopped = sys.exc_info()[0]  # SystemExit, KeyboardInterrupt: a stop signal
             prefetch.close(wait=stopped is None or issubclass(stopped, Exception))
