@@ -127,7 +127,23 @@ def test_editing_a_user_reward_function_reruns_the_stages_that_call_it(tmp_path,
     (pkg / "helpers.py").write_text("def bonus():\n    return 1.0\n")  # a module the function imports
     after = predicted_identities(cfg)
     assert explain("grpo", before["grpo"], after["grpo"]) == [
-        "reward function userpkg.rewards:exact: source changed (userpkg/helpers.py)"]
+        "your code userpkg.rewards:exact: source changed (userpkg/helpers.py)"]
+    assert after["sft"] == before["sft"]
+
+
+def test_editing_a_user_environment_reruns_the_rl_stage_and_the_eval_that_play_it(tmp_path, monkeypatch):
+    (tmp_path / "userenv.py").write_text("class Game:\n    stop = ()\n    def reset(self, problem):\n        pass\n"
+                                         "    def step(self, turn):\n        return None, 0.0, True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = "{name: 'userenv:Game', max_turns: 2}"
+    cfg = load_config(CONFIG, "tiny", [f"storage.url={tmp_path}", *only("sft", "grpo", "eval"),
+                                       f"grpo.environment={env}", f"eval.environment={env}", "eval.policies=[sft, grpo]", "eval.judge=verifier"])
+    before = predicted_identities(cfg)
+    (tmp_path / "userenv.py").write_text((tmp_path / "userenv.py").read_text().replace("0.0, True", "1.0, True"))
+    after = predicted_identities(cfg)
+    edited = "your code userenv:Game: source changed (userenv.py)"
+    assert explain("grpo", before["grpo"], after["grpo"]) == [edited]
+    assert explain("eval", before["eval"], after["eval"]) == [edited, "upstream grpo: its key changed"]
     assert after["sft"] == before["sft"]
 
 

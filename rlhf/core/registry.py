@@ -127,11 +127,15 @@ def _judge_function(cfg) -> list[str]:
     return [cfg.preferences.reward_function] if cfg.preferences.reward_function else []
 
 
+def _user_environment(env) -> list[str]:
+    """An environment class of the user's ('module:Class'; the built-ins are the project's code)."""
+    return [env.name] if env is not None and ":" in env.name else []
+
+
 def _reward_functions(name: str) -> Callable:
     def found(cfg) -> list[str]:  # the user's code the stage calls: reward functions, an environment class
-        env = getattr(cfg.stage(name), "environment", None)
         return ([r.function for r in cfg.stage(name).reward_specs() if r.function]
-                + ([env.name] if env is not None and ":" in env.name else []))
+                + _user_environment(cfg.stage(name).environment))
     return found
 
 
@@ -191,7 +195,7 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("eval", "inference", _eval_inputs,
               (*(Artifact(n, "table", f"eval.{n}") for n in ("samples", "battles", "ratings", "metrics", "accuracy_diffs", "run")),
                Artifact("leaderboard", "file"), Artifact("chart", "file")),
-              data_files=_prompts_data,
+              data_files=_prompts_data, functions=lambda cfg: _user_environment(cfg.eval.environment),
               models=lambda cfg: [p.removeprefix("model:") for p in cfg.eval.policies if p.startswith("model:")]),
 )}
 NAMES = tuple(SPECS)  # DAG order: every stage's inputs come before it

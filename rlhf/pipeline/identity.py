@@ -154,7 +154,7 @@ def explain(stage: str, old: dict, new: dict, paths: dict[str, str] | None = Non
             out.append(f"data.{k}: {shown(a)} -> {shown(b)}")
     for f, a, b in _changed(old.get("functions") or {}, new.get("functions") or {}):
         files = sorted(k for k, _, _ in _changed(a if isinstance(a, dict) else {}, b if isinstance(b, dict) else {}))
-        out.append(f"reward function {f}: " + (f"source changed ({', '.join(files)})" if files else "added or removed"))
+        out.append(f"your code {f}: " + (f"source changed ({', '.join(files)})" if files else "added or removed"))
     for m, a, b in _changed(old.get("models") or {}, new.get("models") or {}):
         out.append(f"model {m}: " + ("added" if a == "(unset)" else "removed" if b == "(unset)" else "weights changed"))
     for dist, a, b in _changed(old.get("packages") or {}, new.get("packages") or {}):
