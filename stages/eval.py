@@ -58,10 +58,20 @@ def policy_identity(ctx: StageContext, policy: str) -> tuple[str, dict]:
     return label, {"key": ctx.inputs.named(policy).key}
 
 
-def generation_code() -> dict[str, str]:
-    """The code answers depend on (the engine, the prompts and their verifier) with its numeric packages."""
-    files = codehash.closure(("rlhf/engines/engine.py", "rlhf/data/sources.py"))
+def generation_code(episodes: bool = False) -> dict[str, str]:
+    """The code answers depend on (the engine, the prompts and their verifier; episodes: the episode loop and
+    the built-in environments) with its numeric packages."""
+    envs = ("rlhf/envs/episodes.py", "rlhf/envs/calculator.py", "rlhf/envs/feedback.py") if episodes else ()
+    files = codehash.closure(("rlhf/engines/engine.py", "rlhf/data/sources.py", *envs))
     return {"files": codehash.digests(files), "packages": fingerprint.packages(codehash.third_party(files))}
+
+
+def environment_identity(env) -> dict | None:
+    """What identifies episodes' environment in the answers cache: its settings and, for a class of the
+    user's ('module:Class'), the source of its module; None for single answers."""
+    if env is None:
+        return None
+    return {"settings": env.model_dump(mode="json"), "source": fingerprint.function(env.name) if ":" in env.name else {}}
 
 
 def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple[dict[str, list], dict[str, str], dict]:
@@ -69,19 +79,17 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
     answers, the cache keys of those generated here (stored once scored), and the generated/reused counts."""
     prompts = [p.messages() for p in problems]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.samples_per_prompt, cfg.seed)
-    code, verifier = generation_code(), "none" if task.open_ended else (ctx.cfg.data.verifier if ctx.cfg.data.prompts_path
-                                                                       else ctx.cfg.data.task)
+    code = generation_code(episodes=cfg.environment is not None)
+    verifier = "none" if task.open_ended else (ctx.cfg.data.verifier if ctx.cfg.data.prompts_path else ctx.cfg.data.task)
     out, new, counts = {}, {}, {"generated": 0, "reused": 0}
     for k, policy in enumerate(cfg.policies):
-        key = None  # episodes (eval.environment) are played here every time, never cached
-        if cfg.environment is None:
-            key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier,
-                                      code, inference_model(ctx.cfg.model).dtype)
-            if (cached := answers.read(ctx.store, key)) is not None:
-                out[policy] = cached[0]
-                counts["reused"] += len(out[policy])
-                ctx.log.info("eval: %s: %d answers reused (%s)", policy, len(out[policy]), key[:12])
-                continue
+        key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier,
+                                  code, inference_model(ctx.cfg.model).dtype, environment_identity(cfg.environment))
+        if (cached := answers.read(ctx.store, key)) is not None:
+            out[policy] = cached[0]
+            counts["reused"] += len(out[policy])
+            ctx.log.info("eval: %s: %d answers reused (%s)", policy, len(out[policy]), key[:12])
+            continue
         path = policy_path(ctx, policy)
         tok, model = load_tokenizer(path), load_causal_lm(path, inference_model(ctx.cfg.model))
 
@@ -95,7 +103,7 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
             progress.report(ctx.stage, k + 1, len(cfg.policies))
         else:
             out[policy] = engine.generate(prompts, params, on_batch=log)
-            new[policy] = key
+        new[policy] = key
         counts["generated"] += len(out[policy])
         del model
     return out, new, counts
@@ -112,7 +120,10 @@ def keep_answers(ctx: StageContext, cfg: EvalConfig, problems, gens: dict, score
         answers.write(ctx.store, key, gens[policy], values, [p.id for p in problems], {
             "policy": label, "run": ctx.cfg.run.name, "prompt_set": answers.prompt_set(prompts),
             "params": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens,
-                       "n": cfg.samples_per_prompt, "seed": cfg.seed}, "verified": scores is not None})
+                       "n": cfg.samples_per_prompt, "seed": cfg.seed,
+                       # episodes are rated only against episodes of the same environment (the leaderboard's groups)
+                       **({"environment": cfg.environment.model_dump(mode="json")} if cfg.environment else {})},
+            "verified": scores is not None})
 
 
 def distinct(keys: list) -> tuple[list[int], list[int]]:

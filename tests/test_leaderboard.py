@@ -45,26 +45,39 @@ def test_three_runs_one_leaderboard_and_a_fourth_policy_generates_only_its_answe
     assert c["rows"]["answers_generated"] == 8 and c["rows"]["answers_reused"] == 24  # the fourth policy's alone
     assert set(c["inputs"]) == {"a/sft", "b/sft"} and c["inputs"]["a/sft"] == json.loads(
         (store / "a" / "sft" / "manifest.json").read_text())["key"]  # another run's stage is an input of the key
+    # episodes are kept too, apart from single answers, and reused by a later eval on the same environment
+    feedback = "eval.environment={name: feedback, max_turns: 2, max_tokens: 24}"
+    d = run(store, "d", "sft.enabled=false", "eval.policies=[base, a/sft]", "eval.anchor=base", feedback)
+    assert d["rows"]["answers_generated"] == 16 and d["rows"]["answers_reused"] == 0
+    e = run(store, "e", "sft.enabled=false", "eval.policies=[base, a/sft, b/sft]", "eval.anchor=base", feedback)
+    assert e["rows"]["answers_generated"] == 8 and e["rows"]["answers_reused"] == 16
+    assert (json.loads((store / "e" / "eval" / "manifest.json").read_text())["metrics"]["eval/episode_turns/a/sft"]
+            == d["metrics"]["eval/episode_turns/a/sft"])  # the kept episodes carry their masks
 
     board = run_cli("leaderboard", "--format", "json", "--rounds", "100", *sets(f"storage.url={store}"))
     assert board.returncode == 0, board.stderr
-    rows = json.loads(board.stdout)
+    board_rows = json.loads(board.stdout)
+    rows = [r for r in board_rows if "environment" not in json.loads(r["params"])]
     assert {r["policy"] for r in rows} == {"base:tiny", "a/sft", "b/sft", f"model:{other}"}
     assert len({r["prompt_set"] for r in rows}) == 1 and all(r["answers"] == 8 and r["battles"] == 24 for r in rows)
     assert {r["run"] for r in rows} == {"a", "b", "c"}  # the runs that generated them
+    episodes = [r for r in board_rows if r not in rows]
+    assert {r["policy"] for r in episodes} == {"base:tiny", "a/sft", "b/sft"} and all(r["battles"] == 16 for r in episodes)
+    assert {json.loads(r["params"])["environment"]["name"] for r in episodes} == {"feedback"}
+    assert {r["run"] for r in episodes} == {"d", "e"}
     queried = run_cli("query", "--format", "json", *sets(f"storage.url={store}"),
                       "SELECT policy, lc_elo, accuracy FROM leaderboard ORDER BY policy")
-    assert [r["policy"] for r in json.loads(queried.stdout)] == sorted(r["policy"] for r in rows)
+    assert [r["policy"] for r in json.loads(queried.stdout)] == sorted(r["policy"] for r in board_rows)
 
     # a model as the judge too: every kept answer scored once, then reused
     judged = [run_cli("leaderboard", "--format", "json", "--rounds", "100", "--judge-model", f"model:{other}",
                       *sets(f"storage.url={store}")) for _ in range(2)]
     assert all(j.returncode == 0 for j in judged), judged[0].stderr
-    assert "32 answers scored, 0 reused" in judged[0].stderr and "0 answers scored, 32 reused" in judged[1].stderr
+    assert "56 answers scored, 0 reused" in judged[0].stderr and "0 answers scored, 56 reused" in judged[1].stderr
     rows = json.loads(judged[1].stdout)
-    assert {(r["judge"], r["policy"]) for r in rows} == {(j, r["policy"]) for j in ("verifier", f"reward_model:{other}")
-                                                         for r in rows}
-    assert len(rows) == 8
+    assert {(r["judge"], r["policy"], r["params"]) for r in rows} == {
+        (j, r["policy"], r["params"]) for j in ("verifier", f"reward_model:{other}") for r in rows}
+    assert len(rows) == 14
 
 
 @pytest.mark.parametrize("policy, expected", [
@@ -81,6 +94,31 @@ def test_an_eval_policy_that_does_not_exist_is_refused_before_anything(tmp_path,
                          "eval.anchor=sft"))
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not store.exists()
+
+
+def test_an_entry_written_before_episodes_were_kept_reads_as_single_answers(tmp_path):
+    import pyarrow as pa
+
+    from rlhf.core.tables import ANSWERS_SCHEMA_V1
+
+    store = ArtifactStore(StorageConfig(url=str(tmp_path)))
+    key = "a" * 64
+    path = answers.entry_path(store, key)
+    old = [{"prompt_index": 0, "prompt_id": "p0", "sample_index": 0, "response": "4", "response_ids": [19],
+            "logprobs": [-0.5], "finish_reason": "stop", "verifier_score": 1.0}]
+    store.write_table(f"{path}/answers.parquet", pa.Table.from_pylist(old, schema=ANSWERS_SCHEMA_V1), ANSWERS_SCHEMA_V1)
+    store.write_json(f"{path}/manifest.json", {"policy": "r/sft", "run": "r", "params": {"n": 1},
+                                               "prompt_set": "0" * 16, "verified": True})
+    assert answers.read(store, key) == ([Generation(0, 0, [19], [-0.5], "4", "stop")], [1.0])
+    entry = {"key": key}
+    assert leaderboard.with_rows(store, entry) and entry["rows"][0]["policy_mask"] is None
+    # an episode round-trips with its mask and error; a table of neither format is skipped, named
+    episode = Generation(0, 0, [19, 5, 20], [-0.5, 0.0, -0.25], "4 no 5", "env_error", mask=[1, 0, 1], error="boom")
+    answers.write(store, "b" * 64, [episode], [0.0], ["p0"], {"policy": "x", "run": "r", "params": {"n": 1},
+                                                                "prompt_set": "0" * 16, "verified": True})
+    assert answers.read(store, "b" * 64) == ([episode], [0.0])
+    store.write_table(f"{path}/answers.parquet", pa.table({"x": [1]}), pa.schema([("x", pa.int64())]))
+    assert not leaderboard.with_rows(store, {"key": key})
 
 
 def test_entries_are_checked_and_a_shared_name_keeps_both(tmp_path):

@@ -137,7 +137,12 @@ ANSWERS_SCHEMA = pa.schema([
     pa.field("logprobs", pa.list_(pa.float32())),
     pa.field("finish_reason", pa.string()),
     pa.field("verifier_score", pa.float64()),  # null for open-ended prompts (nothing to verify against)
+    # episodes (eval.environment): 1 on the policy's tokens, 0 on the environment's; null for single answers
+    pa.field("policy_mask", pa.list_(pa.int8())),
+    pa.field("env_error", pa.string()),  # the environment's failure that ended the episode
 ])
+# entries written before episodes were kept: the same columns less the last two, read as single answers
+ANSWERS_SCHEMA_V1 = pa.schema(list(ANSWERS_SCHEMA)[:-2])
 
 # ---- `rlhf leaderboard`: every policy the answers cache holds ------------------------------------------
 LEADERBOARD_SCHEMA = pa.schema([pa.field(n, t) for n, t in (

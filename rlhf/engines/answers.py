@@ -5,7 +5,8 @@ every run in the store, so an evaluation that adds a tenth policy generates only
 An entry's key hashes what determines its answers and their scores: the policy's weights (a stage's content
 key, or a model's fingerprint), the prompts themselves, the sampling settings and batch size (each batch
 is seeded by its index), the verifier that scored them, and the generating code with the numeric packages
-it imports. `answers.parquet` holds one row per answer; `manifest.json`, written last, names the policy,
+it imports; for episodes (eval.environment), the environment's settings and, for a class of the user's,
+its source. An episode keeps its policy mask and error beside its transcript. `answers.parquet` holds one row per answer; `manifest.json`, written last, names the policy,
 the run that generated it, the prompt set (a digest of the prompts: what the leaderboard groups by) and
 the counts. An entry without a manifest is incomplete and never read.
 
@@ -23,7 +24,8 @@ from datetime import datetime, timezone
 import pyarrow as pa
 
 from rlhf.engines.engine import Generation, SamplingParams
-from rlhf.core.tables import ANSWERS_SCHEMA
+from rlhf.core.store import SchemaMismatch
+from rlhf.core.tables import ANSWERS_SCHEMA, ANSWERS_SCHEMA_V1
 
 KIND = "answers"
 ROLES = ("system", "user", "assistant")
@@ -61,11 +63,23 @@ def read_prompts(store, digest: str) -> list[list[dict]] | None:
 
 
 def answers_key(weights: dict, prompts: list[list[dict]], params: SamplingParams, batch_size: int, verifier: str,
-                code: dict, dtype: str) -> str:
-    """`dtype`: the one the answers were generated in (a stage's key names its training dtype, not eval's)."""
+                code: dict, dtype: str, environment: dict | None = None) -> str:
+    """`dtype`: the one the answers were generated in (a stage's key names its training dtype, not eval's).
+    `environment`: what identifies the episodes' environment (settings, a user class's source); single
+    answers leave it out, so their keys are those of entries written before episodes were kept."""
     parts = {"weights": weights, "prompts": prompt_set(prompts), "params": params.__dict__, "batch_size": batch_size,
-             "verifier": verifier, "code": code, "dtype": dtype}
+             "verifier": verifier, "code": code, "dtype": dtype, **({"environment": environment} if environment else {})}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def read_rows(store, path: str) -> list[dict]:
+    """An entry's rows; an entry written before episodes were kept reads as single answers (no mask). Raises
+    SchemaMismatch for any other table."""
+    try:
+        return store.read_table(path, ANSWERS_SCHEMA).to_pylist()
+    except SchemaMismatch:
+        rows = store.read_table(path, ANSWERS_SCHEMA_V1).to_pylist()
+        return [{**r, "policy_mask": None, "env_error": None} for r in rows]
 
 
 def entry_path(store, key: str) -> str:
@@ -78,9 +92,9 @@ def read(store, key: str) -> tuple[list[Generation], list[float | None]] | None:
     path = entry_path(store, key)
     if store.read_json(f"{path}/manifest.json") is None:
         return None
-    rows = store.read_table(f"{path}/answers.parquet", ANSWERS_SCHEMA).to_pylist()
+    rows = read_rows(store, f"{path}/answers.parquet")
     gens = [Generation(r["prompt_index"], r["sample_index"], r["response_ids"], r["logprobs"], r["response"],
-                       r["finish_reason"]) for r in rows]
+                       r["finish_reason"], mask=r["policy_mask"], error=r["env_error"]) for r in rows]
     return gens, [r["verifier_score"] for r in rows]
 
 
@@ -89,7 +103,7 @@ def write(store, key: str, gens: list[Generation], scores: list[float | None], p
     path = entry_path(store, key)
     rows = [{"prompt_index": g.prompt_index, "prompt_id": prompt_ids[g.prompt_index], "sample_index": g.sample_index,
              "response": g.text, "response_ids": g.token_ids, "logprobs": g.logprobs, "finish_reason": g.finish_reason,
-             "verifier_score": s} for g, s in zip(gens, scores)]
+             "verifier_score": s, "policy_mask": g.mask, "env_error": g.error} for g, s in zip(gens, scores)]
     store.write_table(f"{path}/answers.parquet", pa.Table.from_pylist(rows, schema=ANSWERS_SCHEMA), ANSWERS_SCHEMA)
     store.write_json(f"{path}/manifest.json", {**meta, "key": key, "answers": len(rows),
                                                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")})

@@ -1,6 +1,6 @@
 """`rlhf leaderboard`: every policy whose answers the store keeps (rlhf/engines/answers.py), rated against
-every other policy answered on the same prompts with the same sampling settings, whichever run evaluated
-it: Bradley-Terry Elo with prompt-bootstrap 95% intervals, the length-controlled rating and the judge's
+every other policy answered on the same prompts with the same sampling settings (episodes: and the same
+environment, whose settings are part of `params`), whichever run evaluated it: Bradley-Terry Elo with prompt-bootstrap 95% intervals, the length-controlled rating and the judge's
 length coefficient (rlhf/maths/style_control.py), and verifier accuracy.
 
 Judges: the verifier scores kept with the answers (right beats wrong, equal is a tie) for verified prompt
@@ -32,7 +32,7 @@ from rlhf.engines.answers import KIND
 from rlhf.maths.bradley_terry import rate
 from rlhf.maths.style_control import rate_length_controlled
 from rlhf.core.store import SchemaMismatch
-from rlhf.core.tables import LEADERBOARD_SCHEMA, ANSWERS_SCHEMA
+from rlhf.core.tables import LEADERBOARD_SCHEMA
 
 TABLE = ("_leaderboard", "leaderboard.parquet")
 
@@ -63,7 +63,7 @@ def with_rows(store, entry: dict) -> bool:
     an answers table (a shared store's files are checked, not trusted)."""
     path = store.path("_cache", KIND, entry["key"], "answers.parquet")
     try:
-        rows = store.read_table(path, ANSWERS_SCHEMA).to_pylist()
+        rows = answers.read_rows(store, path)
     except (SchemaMismatch, OSError, pa.ArrowException) as e:
         print(f"rlhf leaderboard: skipped answers entry {entry['key'][:16]}: {type(e).__name__}: {str(e)[:200]}",
               file=sys.stderr)
