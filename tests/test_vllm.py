@@ -22,7 +22,8 @@ from conftest import CONFIG, REPO, only
 from safetensors.torch import load_file, save_file
 
 from rlhf.core.config import DataConfig, ModelConfig
-from rlhf.engines.engine import HFEngine, SamplingParams
+from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
+from rlhf.envs.episodes import run_episodes
 from rlhf.core.loader import load_config
 from rlhf.engines.logprobs import sequence_logps
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
@@ -30,7 +31,7 @@ from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore
 from rlhf.data.tasks import Task, user
 from rlhf.engines.vllm_engine import VLLMEngine, WeightSyncError
-from rlhf.core.tables import METRICS_SCHEMA
+from rlhf.core.tables import EXPERIENCE_SCHEMA, METRICS_SCHEMA
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns
 pytestmark = pytest.mark.slow
@@ -69,6 +70,18 @@ def test_greedy_matches_hf_engine_and_weight_sync_is_checked(vllm_python, tmp_pa
         for a, b in zip(ours, hf):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
+        # episodes: a turn ends where the HF engine ends it (a stop string, EOS, the budget), and feedback
+        # episodes (a wrong answer is told so and answered again) are the HF engine's token for token
+        seqs = [chat_ids(tok, p) for p in prompts]
+        stop = (tok.decode(hf[0].token_ids[2:4]),)  # text the greedy answer to the first prompt holds
+        turns, hf_turns = engine.continue_ids(seqs, params, stop, 5), HFEngine(model, tok, 8).continue_ids(seqs, params, stop, 5)
+        assert [(t[0], t[2]) for t in turns] == [(t[0], t[2]) for t in hf_turns] and hf_turns[0][2] == "tool"
+        problems = Task(DataConfig(train_size=16, eval_size=8)).eval
+        eps = run_episodes(engine, problems, params, "feedback", 2, 64)
+        hf_eps = run_episodes(HFEngine(model, tok, 8), problems, params, "feedback", 2, 64)
+        assert [(g.token_ids, g.mask, g.finish_reason) for g in eps] == [(g.token_ids, g.mask, g.finish_reason) for g in hf_eps]
+        assert any(0 in g.mask for g in hf_eps)  # a wrong answer was told so
+
         # An update that touches the tied embeddings (and so the output head) and one MLP.
         probe = list(range(100, 140))
         before = sequence_logps(model, probe)
@@ -93,7 +106,7 @@ def test_rollout_stage_and_grpo_run_on_the_vllm_engine(vllm_python, tmp_path, mo
         f"storage.url={tmp_path / 'artifacts'}", *only("rollout", "grpo"), *TINY64, "rollout.policy=base",
         "rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=256", "rollout.prompts=8",
         "grpo.iterations=2", "grpo.reward_source=function", "grpo.reward_function=reward_fns:low_vocab_share",
-        "grpo.eval_prompts=0"])
+        "grpo.eval_prompts=0", "grpo.environment={name: calculator, max_turns: 2, max_tokens: 24}"])
     rolled = execute_stage(cfg, "rollout")
     assert rolled["rows"]["samples"] == 8
     m = execute_stage(cfg, "grpo")
@@ -104,3 +117,7 @@ def test_rollout_stage_and_grpo_run_on_the_vllm_engine(vllm_python, tmp_path, mo
         assert per_it[(it, "sync_max_abs_diff")] < 1e-3  # every update reached the engine, checked
         assert per_it[(it, "logp_mismatch_max")] < 1e-3  # sampler and trainer agree on the sampled tokens
     assert m["metrics"]["grpo/reward_mean_first"] > 0
+    # GRPO sampled calculator episodes through the vLLM engine (its turns are the HF engine's: the test above)
+    experience = store.read_table(store.stage_path("tiny", "grpo", "experience"), EXPERIENCE_SCHEMA).to_pylist()
+    assert experience and all(r["policy_mask"] is not None and len(r["policy_mask"]) == len(r["response_ids"]) <= 24
+                              for r in experience)

@@ -986,10 +986,6 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _cross(self) -> PipelineConfig:
         self._async_rollout()
-        for name in ("ppo", "grpo"):
-            if getattr(self, name).environment is not None and self.rollout.engine != "hf":
-                raise ValueError(f"{name}.environment: episodes are generated with rollout.engine: hf; "
-                                 f"{self.rollout.engine!r} is not supported with them yet")
         if self.reward_model.enabled and self.reward_model.init_from == "sft" and not self.sft.enabled:
             raise ValueError("reward_model.init_from: 'sft' needs sft.enabled: true; use 'base' or enable sft")
         prefs = self.preferences

@@ -38,6 +38,19 @@ class Generation:
     error: str | None = None  # the environment's failure that ended the episode
 
 
+def turn_end(tokenizer, toks: list[int], logps: list[float], stop: tuple[str, ...]) -> tuple[list[int], list[float], str]:
+    """Where a generated turn ends, whichever engine sampled it: a stop string first ('tool': the shortest
+    prefix whose text holds one; rows that stopped are padded after it, and the pad token may be the EOS
+    token), then EOS ('stop', kept), else the budget ('length')."""
+    eos = tokenizer.eos_token_id
+    end = toks.index(eos) + 1 if eos in toks else len(toks)
+    if stop:
+        for k in range(1, end + 1):
+            if any(s in tokenizer.decode(toks[:k]) for s in stop):
+                return toks[:k], logps[:k], "tool"
+    return toks[:end], logps[:end], "stop" if eos in toks[:end] else "length"
+
+
 def chat_ids(tokenizer, messages: list[dict], generation_prompt: bool = True) -> list[int]:
     """Token ids of a conversation under the tokenizer's chat template; with generation_prompt the
     assistant turn is opened (what an engine continues from)."""
@@ -169,21 +182,11 @@ class HFEngine:
                                          output_scores=True, return_dict_in_generate=True)
                     new = gen.sequences[:, width:]
                     logp = torch.stack(gen.scores, 1).float().log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-                    out += [self._turn_end(new[r].tolist(), logp[r].tolist(), stop) for r in range(len(chunk))]
+                    out += [turn_end(tok, new[r].tolist(), logp[r].tolist(), stop) for r in range(len(chunk))]
             finally:
                 model.train(was_training)
         return out
 
-    def _turn_end(self, toks: list[int], logps: list[float], stop: tuple[str, ...]) -> tuple[list[int], list[float], str]:
-        """Where a generated turn ends: a stop string first (rows that stopped are padded after it, and the
-        pad token may be the EOS token), then EOS, else the budget."""
-        eos = self.tokenizer.eos_token_id
-        end = toks.index(eos) + 1 if eos in toks else len(toks)
-        if stop:
-            for k in range(1, end + 1):  # the shortest prefix whose text ends a call
-                if any(s in self.tokenizer.decode(toks[:k]) for s in stop):
-                    return toks[:k], logps[:k], "tool"
-        return toks[:end], logps[:end], "stop" if eos in toks[:end] else "length"
 
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):
         """KV cache of the distinct prompts ([U, W], laid out by prefix.pad_after_prefix) but their last

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlhf.core.config import RolloutConfig
 from rlhf.core.fingerprint import vllm_python_path
-from rlhf.engines.engine import Generation, SamplingParams, chat_ids
+from rlhf.engines.engine import Generation, SamplingParams, chat_ids, turn_end
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 
@@ -87,6 +87,15 @@ class VLLMEngine:
         if on_batch is not None:
             on_batch(len(mine) * params.n, len(mine) * params.n)
         return out
+
+    def continue_ids(self, seqs: list[list[int]], params: SamplingParams, stop: tuple[str, ...], seed: int
+                     ) -> list[tuple[list[int], list[float], str]]:
+        """One more turn of each episode's transcript, as HFEngine.continue_ids: (tokens, the sampler's
+        log-probs, 'tool' | 'stop' | 'length'), the turn cut where the HF engine cuts it (engine.turn_end).
+        Each sequence is seeded by (seed, its index), so a turn does not depend on how vLLM batches."""
+        reply = self._call({"op": "continue", "sequences": seqs, "temperature": params.temperature, "top_p": params.top_p,
+                            "max_tokens": params.max_new_tokens, "seed": seed, "stop": list(stop)})
+        return [turn_end(self.tokenizer, t["token_ids"], t["logprobs"], stop) for t in reply["turns"]]
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) for t >= 1 of each sequence, under the engine's current weights."""

@@ -8,6 +8,8 @@ stderr first, so the reply channel carries replies only.
    "gpu_memory_utilization": F}                                  -> {"ok": true}
   {"op": "generate", "prompts": [[ids]], "temperature", "top_p", "max_tokens", "n", "seed"}
                                                                   -> {"generations": [...]}
+  {"op": "continue", "sequences": [[ids]], "temperature", "top_p", "max_tokens", "seed", "stop": [str]}
+                                                                  -> {"turns": [{token_ids, logprobs}]}
   {"op": "prompt_logprobs", "sequences": [[ids]]}                 -> {"logprobs": [[float]]} (token 1..)
   {"op": "reload", "path": PATH}                                  -> {"ok": true} (weights in place)
 """
@@ -79,6 +81,16 @@ def main() -> None:
                         gens.append({"prompt_index": i, "sample_index": s, "token_ids": list(c.token_ids),
                                      "logprobs": lps, "finish_reason": c.finish_reason})
                 reply = {"generations": gens}
+            elif op == "continue":  # one more turn of each episode; seeded per sequence, not per batch
+                greedy = req["temperature"] == 0
+                params = [SamplingParams(temperature=req["temperature"], top_p=1.0 if greedy else req["top_p"],
+                                         max_tokens=req["max_tokens"], seed=req["seed"] * 1_000_003 + i, logprobs=0,
+                                         stop=req["stop"] or None, include_stop_str_in_output=True)
+                          for i in range(len(req["sequences"]))]
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["sequences"]], params, use_tqdm=False)
+                reply = {"turns": [{"token_ids": list(o.outputs[0].token_ids),
+                                    "logprobs": [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                                   for o in outs]}
             elif op == "prompt_logprobs":
                 params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
                 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["sequences"]], params, use_tqdm=False)

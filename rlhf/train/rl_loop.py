@@ -510,8 +510,15 @@ class SyncedVLLM:
         if stale:  # resumed: the engine started from `init`, the policy from a checkpoint
             self.sync(policy)
 
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
     def generate(self, prompts, params, shard=(0, 1), on_batch=None):
         return self.engine.generate(prompts, params, shard, on_batch)
+
+    def continue_ids(self, seqs, params, stop, seed):  # episodes (ppo/grpo.environment)
+        return self.engine.continue_ids(seqs, params, stop, seed)
 
     @torch.no_grad()
     def sync(self, policy) -> float:
