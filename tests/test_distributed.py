@@ -89,12 +89,14 @@ def rl_metrics(url: str, algo: str) -> dict[tuple[int, str], float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_two_process_rl_equals_one_process_with_accumulation(tmp_path, algo):
+@pytest.mark.parametrize("algo, episodes", [("grpo", False), ("ppo", False), ("grpo", True)])
+def test_two_process_rl_equals_one_process_with_accumulation(tmp_path, algo, episodes):
     """Rollouts sharded by engine batch (4 rollouts each, 2 batches) and gathered; each rank trains on
     half of every minibatch; gradients summed. GRPO's groups of 4 are normalised whole (the gather
-    comes first); PPO also runs its critic this way."""
-    assert_rl_equal(tmp_path, algo, f"{algo}.launch.processes=2")
+    comes first); PPO also runs its critic this way. Episodes are sharded by chunk of 4, each rank with
+    an environment process of its own."""
+    env = ("grpo.environment={name: calculator, max_turns: 2, max_tokens: 16}",) if episodes else ()
+    assert_rl_equal(tmp_path, algo, f"{algo}.launch.processes=2", both=env)
 
 
 def assert_rl_equal(tmp_path, algo: str, *two: str, both: tuple[str, ...] = ()) -> None:

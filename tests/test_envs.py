@@ -320,9 +320,10 @@ def test_episodes_through_the_cli_asynchronous_grpo_and_ppo_then_eval_on_episode
 def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):
     base = ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path}", "--set", "grpo.enabled=true",
             "--set", "grpo.environment={name: calculator}"]
-    for extra, why in ((["--set", "grpo.launch.processes=2"], "episodes run in one process for now"),
-                       (["--set", "ppo.environment={name: feedback}", "--set", "ppo.launch.processes=2"],
-                        "episodes run in one process for now"),
+    for extra, why in ((["--set", "grpo.launch.backend=ray", "--set", "grpo.launch.ray.engine=own"],
+                        "grpo.environment: episodes run with the rollout engine in the training process"),
+                       (["--set", "ppo.environment={name: feedback}", "--set", "ppo.launch.backend=ray",
+                         "--set", "ppo.launch.ray.engine=own"], "ppo.environment: episodes run with the rollout engine"),
                        (["--set", "grpo.environment={name: 'os:system; rm'}"], "grpo.environment.name"),
                        (["--set", "grpo.environment={name: 'envs_hostile:NoStep'}"], "NoStep has no step method"),
                        (["--set", "grpo.environment={name: feedback, options: {attempt_cost: 2}}"],

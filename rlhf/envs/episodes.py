@@ -58,64 +58,84 @@ def problem_payload(problem) -> dict:
 
 
 def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: int, max_tokens: int,
-                 limits: Limits = Limits(), sandbox: Sandbox | None = None, options: dict | None = None) -> list[Generation]:
-    """The episodes of every (problem, sample): params.max_new_tokens bounds each policy turn."""
+                 limits: Limits = Limits(), sandbox: Sandbox | None = None, options: dict | None = None,
+                 shard: tuple[int, int] = (0, 1), chunk: int | None = None) -> list[Generation]:
+    """The episodes of every (problem, sample): params.max_new_tokens bounds each policy turn.
+
+    `chunk`: episodes are played in fixed chunks of this many (by their place in (prompt, sample) order),
+    each chunk's turns batched and seeded on their own, so rank r of `shard` = (r, world) plays chunks r,
+    r + world, ... and the union of the ranks' episodes is the one-process result. None: one chunk (every
+    live episode in each turn's batch). Returns this rank's episodes."""
     tok = engine.tokenizer
     cls = load_class(env)
     stop, chat = tuple(getattr(cls, "stop", ())), bool(getattr(cls, "chat", False))
     own = sandbox is None
     box = sandbox or Sandbox(env, limits, options)
     episodes = [Episode(i, s, chat_ids(tok, p.messages())) for i, p in enumerate(problems) for s in range(params.n)]
+    size = chunk or max(len(episodes), 1)
+    mine = [list(range(start, min(start + size, len(episodes))))
+            for start in range(0, len(episodes), size)][shard[0] :: shard[1]]
     try:
-        for eid, ep in enumerate(episodes):
-            if (why := box.reset(eid, problem_payload(problems[ep.prompt_index]))) is not None:
-                ep.finish, ep.error = "env_error", why
-        for turn in range(max_turns):
-            live = [(eid, ep) for eid, ep in enumerate(episodes) if not ep.finish]
-            if not live:
-                break
-            budget = [max_tokens - len(ep.tokens) for _, ep in live]
-            one = SamplingParams(params.temperature, params.top_p, max(1, min(params.max_new_tokens, min(budget))),
-                                 1, params.seed)
-            outs = engine.continue_ids([ep.prompt_ids + ep.tokens for _, ep in live], one, stop, params.seed + 7919 * turn)
-            for (eid, ep), (toks, logps, why) in zip(live, outs):
-                ep.add(toks, logps, policy=True)
-                ep.turns += 1
-                handover = why == "tool" or (chat and why == "stop")
-                if not handover or turn == max_turns - 1:  # no answer the policy could not follow up
-                    ep.finish = why if why != "tool" else "max_turns"
-                    continue
-                step = box.step(eid, tok.decode(toks, skip_special_tokens=True))
-                ep.env_reward += step.reward
-                if step.error is not None:
-                    ep.finish, ep.error = "env_error", step.error
-                    continue
-                if why == "stop" and not step.observation:  # a chat turn the environment does not answer
-                    ep.finish = "env_done" if step.done else "stop"
-                    continue
-                if step.observation:
-                    obs = (chat_observation_ids(tok, problems[ep.prompt_index].messages(), step.observation) if why == "stop"
-                           else tok(step.observation, add_special_tokens=False)["input_ids"])
-                    ep.add(obs[: max(0, max_tokens - len(ep.tokens))], [], policy=False)
-                if step.done:
-                    ep.finish = "env_done"
-                elif len(ep.tokens) >= max_tokens:
-                    ep.finish = "length"
-        for eid, ep in enumerate(episodes):
-            ep.finish = ep.finish or "max_turns"
-            box.end(eid)
+        for c, eids in enumerate(mine):
+            seed = params.seed + 104_729 * (shard[0] + c * shard[1])  # the chunk's global index
+            _play_chunk(engine, tok, box, problems, [(eid, episodes[eid]) for eid in eids], params, stop, chat,
+                        max_turns, max_tokens, seed)
     finally:
         if own:
             box.close()
     return [Generation(ep.prompt_index, ep.sample_index, ep.tokens, ep.logprobs,
                        tok.decode(ep.tokens, skip_special_tokens=True), ep.finish,
                        rewards={"env": ep.env_reward} if ep.env_reward else {}, mask=ep.mask, error=ep.error)
-            for ep in episodes]
+            for eids in mine for ep in (episodes[eid] for eid in eids)]
 
 
-def play(engine, problems, params: SamplingParams, cfg, sandbox: Sandbox | None = None) -> list[Generation]:
+def _play_chunk(engine, tok, box: Sandbox, problems, chunk: list[tuple[int, Episode]], params: SamplingParams,
+                stop: tuple[str, ...], chat: bool, max_turns: int, max_tokens: int, seed: int) -> None:
+    """Every turn of one chunk's episodes, in place."""
+    for eid, ep in chunk:
+        if (why := box.reset(eid, problem_payload(problems[ep.prompt_index]))) is not None:
+            ep.finish, ep.error = "env_error", why
+    for turn in range(max_turns):
+        live = [(eid, ep) for eid, ep in chunk if not ep.finish]
+        if not live:
+            break
+        budget = [max_tokens - len(ep.tokens) for _, ep in live]
+        one = SamplingParams(params.temperature, params.top_p, max(1, min(params.max_new_tokens, min(budget))),
+                             1, params.seed)
+        outs = engine.continue_ids([ep.prompt_ids + ep.tokens for _, ep in live], one, stop, seed + 7919 * turn)
+        for (eid, ep), (toks, logps, why) in zip(live, outs):
+            ep.add(toks, logps, policy=True)
+            ep.turns += 1
+            handover = why == "tool" or (chat and why == "stop")
+            if not handover or turn == max_turns - 1:  # no answer the policy could not follow up
+                ep.finish = why if why != "tool" else "max_turns"
+                continue
+            step = box.step(eid, tok.decode(toks, skip_special_tokens=True))
+            ep.env_reward += step.reward
+            if step.error is not None:
+                ep.finish, ep.error = "env_error", step.error
+                continue
+            if why == "stop" and not step.observation:  # a chat turn the environment does not answer
+                ep.finish = "env_done" if step.done else "stop"
+                continue
+            if step.observation:
+                obs = (chat_observation_ids(tok, problems[ep.prompt_index].messages(), step.observation) if why == "stop"
+                       else tok(step.observation, add_special_tokens=False)["input_ids"])
+                ep.add(obs[: max(0, max_tokens - len(ep.tokens))], [], policy=False)
+            if step.done:
+                ep.finish = "env_done"
+            elif len(ep.tokens) >= max_tokens:
+                ep.finish = "length"
+    for eid, ep in chunk:
+        ep.finish = ep.finish or "max_turns"
+        box.end(eid)
+
+
+def play(engine, problems, params: SamplingParams, cfg, sandbox: Sandbox | None = None,
+         shard: tuple[int, int] = (0, 1), chunk: int | None = None) -> list[Generation]:
     """run_episodes with an environment section's settings (ppo.environment, grpo.environment, eval.environment)."""
-    return run_episodes(engine, problems, params, cfg.name, cfg.max_turns, cfg.max_tokens, limits(cfg), sandbox, cfg.options)
+    return run_episodes(engine, problems, params, cfg.name, cfg.max_turns, cfg.max_tokens, limits(cfg), sandbox,
+                        cfg.options, shard, chunk)
 
 
 def limits(cfg) -> Limits:
@@ -128,12 +148,13 @@ class EpisodeEngine:
     answers, over the HF engine that shares the policy's weights, with one sandboxed environment process for
     the stage."""
 
-    def __init__(self, engine, cfg):
-        self.engine, self.cfg = engine, cfg
+    def __init__(self, engine, cfg, chunk: int):
+        self.engine, self.cfg, self.chunk = engine, cfg, chunk
         self.box = Sandbox(cfg.name, limits(cfg), cfg.options)
 
-    def episodes(self, problems, params: SamplingParams) -> list[Generation]:
-        return play(self.engine, problems, params, self.cfg, sandbox=self.box)
+    def episodes(self, problems, params: SamplingParams, shard: tuple[int, int] = (0, 1)) -> list[Generation]:
+        """This rank's share of the episodes (run_episodes' chunks): the ranks' union is one process's."""
+        return play(self.engine, problems, params, self.cfg, sandbox=self.box, shard=shard, chunk=self.chunk)
 
     def sync(self, policy):
         return self.engine.sync(policy)

@@ -346,7 +346,7 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
 
     def build_engine(model, tokenizer):
         engine = make_engine(ctx, model, tokenizer, init, resume is not None, task)
-        return EpisodeEngine(engine, env) if env is not None else engine
+        return EpisodeEngine(engine, env, roll.batch_size) if env is not None else engine
 
     def draw(engine, it: int) -> tuple:
         rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
@@ -592,9 +592,10 @@ def generate_and_score(engine, problems, params: SamplingParams, reward) -> tupl
     """Samples and rewards of the iteration, ordered by (prompt, sample). Each rank generates and scores
     its share of the engine's batches (the engine seeds each batch by its global index, so the union
     is the one-process output) and the shares are gathered: advantages always see whole groups."""
-    episodic = isinstance(engine, EpisodeEngine)  # one process (the config refuses more with an environment)
-    mine = (engine.episodes(problems, params) if episodic
-            else engine.generate([p.messages() for p in problems], params, shard=(dist.rank(), dist.world_size())))
+    episodic = isinstance(engine, EpisodeEngine)
+    shard = (dist.rank(), dist.world_size())
+    mine = (engine.episodes(problems, params, shard) if episodic
+            else engine.generate([p.messages() for p in problems], params, shard=shard))
     mine_scores = []
     if mine:
         total, parts = reward([problems[g.prompt_index] for g in mine], mine)
