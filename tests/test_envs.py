@@ -317,14 +317,10 @@ def test_episodes_through_the_cli_asynchronous_grpo_and_ppo_then_eval_on_episode
     assert len(samples) == 3 * 8 and {r["policy"] for r in samples} == {"base", "sft", "grpo"}
 
 
-def test_an_environment_is_refused_where_episodes_do_not_run_yet(tmp_path):
+def test_an_environment_that_cannot_run_is_refused_before_the_run(tmp_path):
     base = ["validate", "--profile", "tiny", "--set", f"storage.url={tmp_path}", "--set", "grpo.enabled=true",
             "--set", "grpo.environment={name: calculator}"]
-    for extra, why in ((["--set", "grpo.launch.backend=ray", "--set", "grpo.launch.ray.engine=own"],
-                        "grpo.environment: episodes run with the rollout engine in the training process"),
-                       (["--set", "ppo.environment={name: feedback}", "--set", "ppo.launch.backend=ray",
-                         "--set", "ppo.launch.ray.engine=own"], "ppo.environment: episodes run with the rollout engine"),
-                       (["--set", "grpo.environment={name: 'os:system; rm'}"], "grpo.environment.name"),
+    for extra, why in ((["--set", "grpo.environment={name: 'os:system; rm'}"], "grpo.environment.name"),
                        (["--set", "grpo.environment={name: 'envs_hostile:NoStep'}"], "NoStep has no step method"),
                        (["--set", "grpo.environment={name: feedback, options: {attempt_cost: 2}}"],
                         "attempt_cost must be a number in [0, 1], not 2"),

@@ -119,6 +119,14 @@ def test_grpo_with_its_engine_and_scorers_in_actors_of_their_own_equals_one_proc
     assert max(kl) > 0  # the reference was used: its log-probs differ from the moving policy's
 
 
+@pytest.mark.slow  # a Ray cluster (~5 s), the rank and the engine actor on 2 cores
+def test_grpo_on_episodes_with_its_engine_in_an_actor_of_its_own_equals_one_process(ray_cluster, tmp_path):
+    # the actor samples each policy turn; the calculator's process stays in the rank, which sends token ids
+    assert_rl_equal(tmp_path, "grpo", "grpo.gradient_accumulation_steps=2", "grpo.launch.backend=ray",
+                    "grpo.launch.ray.engine=own", "grpo.launch.ray.engine_cpus=0.5", "grpo.launch.ray.strategy=SPREAD",
+                    both=("grpo.environment={name: calculator, max_turns: 2, max_tokens: 16}",))
+
+
 def test_a_dead_engine_or_scorers_actor_is_named(ray_cluster):
     import ray
 

@@ -784,9 +784,6 @@ class RLOptions(Placement):
                 f"minibatch_size: must divide the rollouts per iteration ({n} = prompts_per_iteration "
                 f"x samples per prompt), got {self.minibatch_size}"
             )
-        if self.environment is not None and self.launch.ray.engine == "own":
-            raise ValueError("environment: episodes run with the rollout engine in the training process; "
-                             "launch.ray.engine: own is not supported with them yet")
         return self
 
 

@@ -101,6 +101,10 @@ def _actor_classes() -> dict:
             with self.amp():  # the trainer's numerics: a colocated engine samples under the same context
                 return self.engine.generate(prompts, params, shard)
 
+        def continue_ids(self, seqs, params, stop, seed):  # one turn of episodes; the environment stays in the rank
+            with self.amp():
+                return self.engine.continue_ids(seqs, params, stop, seed)
+
         def sync(self, state: dict) -> float | None:
             self.policy.load_state_dict(state)
             return self.engine.sync(self.policy)

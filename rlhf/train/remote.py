@@ -33,12 +33,17 @@ def call(handle, role: str, method: str, *args):
 
 
 class RemoteEngine:
-    def __init__(self, handle, policy):
-        self.handle = handle
+    def __init__(self, handle, policy, tokenizer):
+        self.handle, self.tokenizer = handle, tokenizer
         self.sync(policy)  # the actor starts from the init weights; a resumed policy differs from them
 
     def generate(self, prompts, params, shard=(0, 1), on_batch=None):
         return call(self.handle, "rollout engine", "generate", prompts, params, shard)
+
+    def continue_ids(self, seqs, params, stop, seed):
+        """One more turn of each episode, sampled by the actor; the environment's process stays in the rank
+        (rlhf/envs/episodes.py), so only token ids cross."""
+        return call(self.handle, "rollout engine", "continue_ids", seqs, params, stop, seed)
 
     def sync(self, policy) -> float | None:
         """Rank 0 sends the weights (all ranks hold the same after an update); every rank waits until they

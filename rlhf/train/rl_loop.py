@@ -537,7 +537,7 @@ def make_engine(ctx, policy, tok, init: str, resumed: bool, task: PromptSource, 
     """The configured engine over `policy`; with `launch.ray.engine: own` (not `local`) the engine actor the
     Ray launcher started for this stage."""
     if not local and (handle := dist.engine_actor()) is not None:
-        return remote.RemoteEngine(handle, policy)
+        return remote.RemoteEngine(handle, policy, tok)
     if ctx.cfg.rollout.engine == "vllm":
         return SyncedVLLM(ctx, policy, tok, init, resumed, task.train[0])
     return HFEngine(policy, tok, ctx.cfg.rollout.batch_size)
