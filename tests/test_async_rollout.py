@@ -116,7 +116,6 @@ def test_a_sampling_thread_failure_stops_the_stage_with_its_error(tiny_cfg):
     (["grpo.enabled=true", "grpo.logp_old=rollout", "grpo.launch.processes=2"], "launch.processes: 1"),
     (["grpo.enabled=true", "grpo.logp_old=rollout", "grpo.skip_uniform_groups=true", "grpo.refill_rounds=1"],
      "refill_rounds"),
-    (["grpo.enabled=true", "grpo.logp_old=rollout", "rollout.engine=vllm"], "rollout.engine: hf"),
 ])
 def test_what_async_sampling_cannot_do_is_refused_before_any_work(tiny_cfg, extra, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):

@@ -102,15 +102,24 @@ def test_greedy_matches_hf_engine_and_weight_sync_is_checked(vllm_python, tmp_pa
 
 def test_rollout_stage_and_grpo_run_on_the_vllm_engine(vllm_python, tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_VLLM_PYTHON", vllm_python)
-    cfg = load_config(CONFIG, "tiny", [
+    overrides = [
         f"storage.url={tmp_path / 'artifacts'}", *only("rollout", "grpo"), *TINY64, "rollout.policy=base",
         "rollout.engine=vllm", "rollout.vllm.enforce_eager=true", "rollout.vllm.max_model_len=256", "rollout.prompts=8",
         "grpo.iterations=2", "grpo.reward_source=function", "grpo.reward_function=reward_fns:low_vocab_share",
-        "grpo.eval_prompts=0", "grpo.environment={name: calculator, max_turns: 2, max_tokens: 24}"])
+        "grpo.eval_prompts=0", "grpo.environment={name: calculator, max_turns: 2, max_tokens: 24}"]
+    cfg = load_config(CONFIG, "tiny", overrides)
     rolled = execute_stage(cfg, "rollout")
     assert rolled["rows"]["samples"] == 8
     m = execute_stage(cfg, "grpo")
     store = ArtifactStore(cfg.storage)
+    # sampling on a thread of its own (rollout.async, max_lag 0) with the vLLM engine: the same episodes
+    lagged = load_config(CONFIG, "tiny", [*overrides, f"storage.url={tmp_path / 'async'}", "rollout.async.max_lag=0"])
+    execute_stage(lagged, "grpo")
+    for it in (1, 2):
+        rows = [store.read_table(ArtifactStore(c.storage).stage_path("tiny", "grpo", "experience", f"iter-{it:06d}.parquet"),
+                                 EXPERIENCE_SCHEMA).to_pylist() for c in (cfg, lagged)]
+        keep = ("prompt_id", "response_ids", "policy_mask", "reward", "policy_version")
+        assert [{k: r[k] for k in keep} for r in rows[0]] == [{k: r[k] for k in keep} for r in rows[1]], it
     table = store.read_table(store.stage_path("tiny", "grpo", "metrics.parquet"), METRICS_SCHEMA).to_pylist()
     per_it = {(r["step"], r["name"]): r["value"] for r in table}
     for it in (1, 2):

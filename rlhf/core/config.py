@@ -947,8 +947,6 @@ class PipelineConfig(Strict):
         """What rollout.async needs of each enabled RL stage."""
         if (lag := self.rollout.async_) is None:
             return
-        if self.rollout.engine != "hf":
-            raise ValueError(f"rollout.async: samples with rollout.engine: hf for now, got {self.rollout.engine!r}")
         for name in ("ppo", "grpo"):
             stage = getattr(self, name)
             if not stage.enabled:
