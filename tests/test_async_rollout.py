@@ -55,7 +55,12 @@ def published(cfg, algo: str = "grpo") -> dict[str, torch.Tensor]:
 PPO = ["ppo.iterations=3", "ppo.prompts_per_iteration=8", "ppo.minibatch_size=8", "ppo.max_kl=50"]
 
 
-@pytest.mark.parametrize("algo, args", [("grpo", [*GRPO, "grpo.iterations=3"]), ("ppo", PPO)])
+@pytest.mark.parametrize("algo, args", [
+    ("grpo", [*GRPO, "grpo.iterations=3"]), ("ppo", PPO),
+    # DAPO's dynamic sampling: the sampling thread drops uniform groups and refills them as the loop would
+    ("grpo", [*GRPO, "grpo.iterations=3", "grpo.skip_uniform_groups=true", "grpo.refill_rounds=2",
+              "grpo.reward_function=reward_fns:uniform_on_sums"]),  # every addition's group is uniform: refilled
+])
 def test_max_lag_zero_is_the_synchronous_loop_sample_for_sample(tiny_cfg, tmp_path, algo, args):
     runs = {}
     for name, extra in (("sync", []), ("async0", ["rollout.async.max_lag=0"])):
@@ -71,6 +76,9 @@ def test_max_lag_zero_is_the_synchronous_loop_sample_for_sample(tiny_cfg, tmp_pa
     a, b = published(sync, algo), published(lag0, algo)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert metric(lag0, "rollout_lag", algo) == [0.0, 0.0, 0.0]
+    if "grpo.refill_rounds=2" in args:  # groups were dropped and refilled, on the sampling thread as in the loop
+        assert metric(lag0, "trained_fraction", algo) == metric(sync, "trained_fraction", algo)
+        assert min(metric(lag0, "trained_fraction", algo)) < 1.0
 
 
 def test_max_lag_one_samples_with_the_previous_policy_and_a_resume_keeps_every_prompt_once(tiny_cfg, monkeypatch):
@@ -114,8 +122,6 @@ def test_a_sampling_thread_failure_stops_the_stage_with_its_error(tiny_cfg):
 @pytest.mark.parametrize("extra, says", [
     (["grpo.enabled=true"], "grpo.logp_old: rollout"),  # max_lag 1 with a recomputed logp_old and no correction
     (["grpo.enabled=true", "grpo.logp_old=rollout", "grpo.launch.processes=2"], "launch.processes: 1"),
-    (["grpo.enabled=true", "grpo.logp_old=rollout", "grpo.skip_uniform_groups=true", "grpo.refill_rounds=1"],
-     "refill_rounds"),
 ])
 def test_what_async_sampling_cannot_do_is_refused_before_any_work(tiny_cfg, extra, says):
     with pytest.raises(ConfigError, match=says.replace(".", r"\.")):

@@ -954,9 +954,6 @@ class PipelineConfig(Strict):
             if stage.launch.processes > 1 or stage.launch.ray.engine == "own":
                 raise ValueError(f"rollout.async: {name} samples on a thread of its one process for now; set "
                                  f"{name}.launch.processes: 1 and leave {name}.launch.ray.engine unset")
-            if getattr(stage, "refill_rounds", 0):
-                raise ValueError(f"rollout.async: {name}.refill_rounds samples again within an iteration, which the "
-                                 "sampling thread does not do; set it to 0")
             if lag.max_lag > 0 and stage.logp_old == "recompute" and stage.sampler_correction == "none":
                 raise ValueError(f"rollout.async.max_lag: {lag.max_lag} samples with a policy up to {lag.max_lag} "
                                  f"updates older than the trainer's; {name} must weigh that: set {name}.logp_old: "

@@ -43,17 +43,16 @@ class Draw:
     """One iteration's sampled and scored experience, as the loop consumes it."""
 
     problems: list
-    rng: object  # the iteration's random.Random, after drawing the prompts (a refill draws on from it)
-    params: object  # SamplingParams
-    gens: list
+    gens: list  # with skip_uniform_groups: the informative groups, refills included
     scores: torch.Tensor
+    sampled: dict  # of everything sampled: n, the first draw's mean reward and its terms' means
     version: int  # the policy version that sampled it
     sync_diff: float | None = None  # the engine's check of its weights after loading that version
 
 
 class Prefetcher:
     """Samples iterations first..last in order on a thread of its own. `draw(engine, it)` returns the
-    fields of a Draw (problems, rng, params, gens, scores); `make_engine(model)` builds the engine over the
+    fields of a Draw (problems, gens, scores, sampled), refills included; `make_engine(model)` builds the engine over the
     producer's copy of the policy; `amp()` is the mixed-precision context (thread-local in torch, so the
     producer enters its own). The trainer calls `publish(version, policy)` after each iteration's update
     (or its skipped update) and `take(it)` for each iteration's draw."""

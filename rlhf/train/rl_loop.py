@@ -349,11 +349,23 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
         return EpisodeEngine(engine, env, roll.batch_size) if env is not None else engine
 
     def draw(engine, it: int) -> tuple:
+        """Iteration `it`'s experience, sampled by `engine` (in the loop, or on the sampling thread): its
+        prompts, samples and scores (with skip_uniform_groups, the informative groups after any refill) and
+        what the metrics say of everything sampled (the first draw's mean reward and terms, the count)."""
         rng = random.Random(pcfg.run.seed * 7919 + it)  # prompts of iteration `it`, whatever happened before
         problems = rng.sample(task.rl, cfg.prompts_per_iteration)
         params = SamplingParams(roll.temperature, roll.top_p, roll.max_new_tokens, cfg.samples_per_prompt(),
                                 pcfg.run.seed * 7919 + it)
-        return (problems, rng, params, *generate_and_score(engine, problems, params, reward))
+        gens, scores = generate_and_score(engine, problems, params, reward)
+        sampled = {"n": len(gens), "reward": scores.mean().item(),
+                   "terms": {f"reward/{k}": sum(g.rewards[k] for g in gens) / len(gens) for k in gens[0].rewards}}
+        if env is not None:
+            sampled["terms"].update(episode_stats(gens))
+        if getattr(cfg, "skip_uniform_groups", False):
+            gens, scores = informative(gens, scores, cfg.group_size)
+            problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params)
+            sampled["n"] += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
+        return problems, gens, scores, sampled
 
     engine, prefetch = None, None
     if roll.async_ is None:
@@ -371,24 +383,17 @@ def run_rl(algo: str, cfg, ctx: StageContext) -> StageResult:
             else:
                 d = prefetch.take(it)
             wait = time.perf_counter() - t0  # asynchronous: how long the trainer waited for its samples
-            problems, rng, params, gens, scores = d.problems, d.rng, d.params, d.gens, d.scores.to(device)
-            n_sampled, reward_sampled = len(gens), scores.mean().item()
-            term_means = {f"reward/{k}": sum(g.rewards[k] for g in gens) / len(gens) for k in gens[0].rewards}
-            if env is not None:
-                term_means.update(episode_stats(gens))
-            if getattr(cfg, "skip_uniform_groups", False):
-                gens, scores = informative(gens, scores, cfg.group_size)
-                problems, gens, scores, drawn = refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device)
-                n_sampled += drawn  # trained_fraction counts every sample drawn; reward_mean stays the first draw's
-                if not gens:  # every group uniform: nothing to learn from this iteration's samples
-                    ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
-                                 algo, it, reward_sampled)
-                    if dist.is_main():
-                        write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, **term_means, "trained_fraction": 0.0,
-                                                          "kl_beta": state["beta"], "rollout_lag": it - 1 - d.version,
-                                                          "seconds": time.perf_counter() - t0})
-                    end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state, prefetch)
-                    continue
+            problems, gens, scores = d.problems, d.gens, d.scores.to(device)
+            n_sampled, reward_sampled, term_means = d.sampled["n"], d.sampled["reward"], d.sampled["terms"]
+            if not gens:  # skip_uniform_groups, every group uniform: nothing to learn from this iteration's samples
+                ctx.log.info("%s iteration %d: every group's rewards are equal (mean %.3f); no update",
+                             algo, it, reward_sampled)
+                if dist.is_main():
+                    write_metrics_row(ctx, it, algo, {"reward_mean": reward_sampled, **term_means, "trained_fraction": 0.0,
+                                                      "kl_beta": state["beta"], "rollout_lag": it - 1 - d.version,
+                                                      "seconds": time.perf_counter() - t0})
+                end_iteration(algo, cfg, ctx, it, policy, critic, tok, optimizers, state, prefetch)
+                continue
             probs = [problems[g.prompt_index] for g in gens]
             prompt_ids = [chat_ids(tok, p.messages()) for p in probs]
             batch = build_batch(prompt_ids, gens, tok.pad_token_id).to(device)
@@ -453,7 +458,7 @@ def informative(gens: list, scores: torch.Tensor, group_size: int) -> tuple[list
     return [g for g, k in zip(gens, keep.tolist()) if k], scores[keep]
 
 
-def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, device):
+def refill(cfg, engine, reward, rng, task, problems, gens, scores, params):
     """DAPO's dynamic sampling with refill (Yu et al. 2025, sec. 3.2): while fewer than
     prompts_per_iteration groups are informative and refill rounds remain, sample the missing number of
     groups on prompts this iteration has not drawn and keep their informative ones. Returns the grown
@@ -468,7 +473,7 @@ def refill(cfg, engine, reward, rng, task, problems, gens, scores, params, devic
         extra = rng.sample(unused, min(missing, len(unused)))
         more, more_scores = generate_and_score(engine, extra, dataclasses.replace(params, seed=params.seed + 1_000_003 * r), reward)
         drawn += len(more)
-        more, more_scores = informative(more, more_scores.to(device), cfg.group_size)
+        more, more_scores = informative(more, more_scores, cfg.group_size)
         gens = gens + [dataclasses.replace(g, prompt_index=g.prompt_index + len(problems)) for g in more]
         scores = torch.cat([scores, more_scores])
         problems = problems + extra
