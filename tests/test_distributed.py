@@ -85,7 +85,8 @@ def rl_metrics(url: str, algo: str) -> dict[tuple[int, str], float]:
     import duckdb
 
     rows = duckdb.sql(f"SELECT step, name, value FROM '{url}/tiny/{algo}/iterations/*.parquet'").fetchall()
-    return {(step, name): value for step, name, value in rows if name not in ("seconds", "tokens_per_s")}
+    timing = ("seconds", "tokens_per_s", "sample_wait_s")
+    return {(step, name): value for step, name, value in rows if name not in timing}
 
 
 @pytest.mark.slow

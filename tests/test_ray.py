@@ -120,11 +120,13 @@ def test_grpo_with_its_engine_and_scorers_in_actors_of_their_own_equals_one_proc
 
 
 @pytest.mark.slow  # a Ray cluster (~5 s), the rank and the engine actor on 2 cores
-def test_grpo_on_episodes_with_its_engine_in_an_actor_of_its_own_equals_one_process(ray_cluster, tmp_path):
-    # the actor samples each policy turn; the calculator's process stays in the rank, which sends token ids
+def test_grpo_on_episodes_sampled_asynchronously_by_an_engine_actor_equals_one_process(ray_cluster, tmp_path):
+    # The actor samples each policy turn, called from the rank's sampling thread (rollout.async, max_lag 0:
+    # the synchronous loop's samples) while the rank trains; the calculator's process stays in the rank,
+    # which sends token ids. The same as one process sampling on its own thread, itself the synchronous loop.
     assert_rl_equal(tmp_path, "grpo", "grpo.gradient_accumulation_steps=2", "grpo.launch.backend=ray",
                     "grpo.launch.ray.engine=own", "grpo.launch.ray.engine_cpus=0.5", "grpo.launch.ray.strategy=SPREAD",
-                    both=("grpo.environment={name: calculator, max_turns: 2, max_tokens: 16}",))
+                    both=("grpo.environment={name: calculator, max_turns: 2, max_tokens: 16}", "rollout.async.max_lag=0"))
 
 
 def test_a_dead_engine_or_scorers_actor_is_named(ray_cluster):

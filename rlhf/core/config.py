@@ -951,9 +951,9 @@ class PipelineConfig(Strict):
             stage = getattr(self, name)
             if not stage.enabled:
                 continue
-            if stage.launch.processes > 1 or stage.launch.ray.engine == "own":
+            if stage.launch.processes > 1:
                 raise ValueError(f"rollout.async: {name} samples on a thread of its one process for now; set "
-                                 f"{name}.launch.processes: 1 and leave {name}.launch.ray.engine unset")
+                                 f"{name}.launch.processes: 1")
             if lag.max_lag > 0 and stage.logp_old == "recompute" and stage.sampler_correction == "none":
                 raise ValueError(f"rollout.async.max_lag: {lag.max_lag} samples with a policy up to {lag.max_lag} "
                                  f"updates older than the trainer's; {name} must weigh that: set {name}.logp_old: "

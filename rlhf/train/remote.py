@@ -53,7 +53,8 @@ class RemoteEngine:
         if dist.is_main():
             state = {k: v.detach().to("cpu") for k, v in policy.state_dict().items()}
             diff = call(self.handle, "rollout engine", "sync", state)
-        dist.barrier()
+        if dist.world_size() > 1:  # one rank may sync from rollout.async's sampling thread: no collective there
+            dist.barrier()
         return diff
 
     def close(self) -> None:
