@@ -4,6 +4,7 @@ are kept per (weights, prompts, sampling settings) and reused, so adding a polic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -117,6 +118,10 @@ def test_an_entry_written_before_episodes_were_kept_reads_as_single_answers(tmp_
     answers.write(store, "b" * 64, [episode], [0.0], ["p0"], {"policy": "x", "run": "r", "params": {"n": 1},
                                                                 "prompt_set": "0" * 16, "verified": True})
     assert answers.read(store, "b" * 64) == ([episode], [0.0])
+    for bad in ([1, 0], [1, 2, 1]):  # a mask that does not fit its tokens: generated again, not rated
+        answers.write(store, "c" * 64, [dataclasses.replace(episode, mask=bad)], [0.0], ["p0"],
+                      {"policy": "x", "run": "r", "params": {"n": 1}, "prompt_set": "0" * 16, "verified": True})
+        assert answers.read(store, "c" * 64) is None and not leaderboard.with_rows(store, {"key": "c" * 64})
     store.write_table(f"{path}/answers.parquet", pa.table({"x": [1]}), pa.schema([("x", pa.int64())]))
     assert not leaderboard.with_rows(store, {"key": key})
 

@@ -86,6 +86,14 @@ def entry_path(store, key: str) -> str:
     return store.path("_cache", KIND, key)
 
 
+def rows_ok(rows: list[dict]) -> bool:
+    """Rows this code could have written (a shared store's files are checked, not trusted): an index and
+    tokens on every row, and an episode's mask of 0s and 1s, one per token."""
+    return all(r["prompt_index"] >= 0 and r["response_ids"] is not None
+               and (r["policy_mask"] is None or (len(r["policy_mask"]) == len(r["response_ids"])
+                                                 and set(r["policy_mask"]) <= {0, 1})) for r in rows)
+
+
 def read(store, key: str) -> tuple[list[Generation], list[float | None]] | None:
     """The entry's answers (as the engine gave them) and their verifier scores, or None when there is no
     complete entry."""
@@ -93,6 +101,8 @@ def read(store, key: str) -> tuple[list[Generation], list[float | None]] | None:
     if store.read_json(f"{path}/manifest.json") is None:
         return None
     rows = read_rows(store, f"{path}/answers.parquet")
+    if not rows_ok(rows):
+        return None  # generated again, and the entry rewritten
     gens = [Generation(r["prompt_index"], r["sample_index"], r["response_ids"], r["logprobs"], r["response"],
                        r["finish_reason"], mask=r["policy_mask"], error=r["env_error"]) for r in rows]
     return gens, [r["verifier_score"] for r in rows]

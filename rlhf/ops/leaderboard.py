@@ -68,10 +68,10 @@ def with_rows(store, entry: dict) -> bool:
         print(f"rlhf leaderboard: skipped answers entry {entry['key'][:16]}: {type(e).__name__}: {str(e)[:200]}",
               file=sys.stderr)
         return False
-    ok = all(r["prompt_index"] >= 0 and r["response_ids"] is not None for r in rows)
+    ok = answers.rows_ok(rows)
     if not ok:
-        print(f"rlhf leaderboard: skipped answers entry {entry['key'][:16]}: rows without an index or tokens",
-              file=sys.stderr)
+        print(f"rlhf leaderboard: skipped answers entry {entry['key'][:16]}: rows without an index or tokens, "
+              "or with a mask that does not fit them", file=sys.stderr)
     entry["rows"] = rows
     return ok
 
