@@ -28,6 +28,7 @@ from rlhf.engines.engine import HFEngine, SamplingParams, chat_ids
 from rlhf.engines.logprobs import response_logps
 from rlhf.core.models import inference_model, load_causal_lm, load_tokenizer, model_identity, resolve_model
 from rlhf.engines import answers
+from rlhf.envs.base import resolve
 from rlhf.envs.episodes import episode_stats, play
 from rlhf.train.rewards import load_reward_model, reward_model_scores
 from rlhf.core.stage import StageContext, StageResult
@@ -58,10 +59,14 @@ def policy_identity(ctx: StageContext, policy: str) -> tuple[str, dict]:
     return label, {"key": ctx.inputs.named(policy).key}
 
 
-def generation_code(episodes: bool = False) -> dict[str, str]:
+def generation_code(env=None) -> dict[str, str]:
     """The code answers depend on (the engine, the prompts and their verifier; episodes: the episode loop and
-    the built-in environments) with its numeric packages."""
-    envs = ("rlhf/envs/episodes.py", "rlhf/envs/calculator.py", "rlhf/envs/feedback.py") if episodes else ()
+    a built-in environment's module, whose class it names by string) with its numeric packages. A user's
+    class is keyed by environment_identity."""
+    envs = ()
+    if env is not None:
+        module = resolve(env.name).partition(":")[0]
+        envs = ("rlhf/envs/episodes.py", *((module.replace(".", "/") + ".py",) if module.startswith("rlhf.") else ()))
     files = codehash.closure(("rlhf/engines/engine.py", "rlhf/data/sources.py", *envs))
     return {"files": codehash.digests(files), "packages": fingerprint.packages(codehash.third_party(files))}
 
@@ -79,12 +84,12 @@ def sample_policies(cfg: EvalConfig, ctx: StageContext, task, problems) -> tuple
     answers, the cache keys of those generated here (stored once scored), and the generated/reused counts."""
     prompts = [p.messages() for p in problems]
     params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.samples_per_prompt, cfg.seed)
-    code = generation_code(episodes=cfg.environment is not None)
+    code, environment = generation_code(cfg.environment), environment_identity(cfg.environment)
     verifier = "none" if task.open_ended else (ctx.cfg.data.verifier if ctx.cfg.data.prompts_path else ctx.cfg.data.task)
     out, new, counts = {}, {}, {"generated": 0, "reused": 0}
     for k, policy in enumerate(cfg.policies):
         key = answers.answers_key(policy_identity(ctx, policy)[1], prompts, params, cfg.batch_size, verifier,
-                                  code, inference_model(ctx.cfg.model).dtype, environment_identity(cfg.environment))
+                                  code, inference_model(ctx.cfg.model).dtype, environment)
         if (cached := answers.read(ctx.store, key)) is not None:
             out[policy] = cached[0]
             counts["reused"] += len(out[policy])

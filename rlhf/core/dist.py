@@ -70,9 +70,10 @@ def is_local_main() -> bool:
 
 
 def barrier() -> None:
-    """Wait for every rank (no-op in one process): rank 0's writes are visible to all after it."""
+    """Wait for every rank (no-op in one process, a process group of one included, so a side thread may
+    call it: rollout.async's sampling thread syncs an engine actor): rank 0's writes are visible to all."""
     d = _dist()
-    if d:
+    if d and d.get_world_size() > 1:
         d.barrier()
 
 

@@ -6,9 +6,10 @@ An entry's key hashes what determines its answers and their scores: the policy's
 key, or a model's fingerprint), the prompts themselves, the sampling settings and batch size (each batch
 is seeded by its index), the verifier that scored them, and the generating code with the numeric packages
 it imports; for episodes (eval.environment), the environment's settings and, for a class of the user's,
-its source. An episode keeps its policy mask and error beside its transcript. `answers.parquet` holds one row per answer; `manifest.json`, written last, names the policy,
-the run that generated it, the prompt set (a digest of the prompts: what the leaderboard groups by) and
-the counts. An entry without a manifest is incomplete and never read.
+its source. An episode keeps its policy mask and error beside its transcript. `answers.parquet` holds one
+row per answer; `manifest.json`, written last, names the policy, the run that generated it, the prompt set
+(a digest of the prompts: what the leaderboard groups by) and the counts. An entry without a manifest is
+incomplete and never read.
 
 The prompts themselves are kept once per prompt set, `<root>/_cache/prompt_sets/<digest>.json`, so a judge
 that reads the question (a reward model rating answers across runs) can score answers it did not see

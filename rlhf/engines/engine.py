@@ -187,7 +187,6 @@ class HFEngine:
                 model.train(was_training)
         return out
 
-
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):
         """KV cache of the distinct prompts ([U, W], laid out by prefix.pad_after_prefix) but their last
         token, with their shared prefix run once; `generate` then runs only the last prompt token of each

@@ -71,22 +71,29 @@ def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: 
     stop, chat = tuple(getattr(cls, "stop", ())), bool(getattr(cls, "chat", False))
     own = sandbox is None
     box = sandbox or Sandbox(env, limits, options)
-    episodes = [Episode(i, s, chat_ids(tok, p.messages())) for i, p in enumerate(problems) for s in range(params.n)]
-    size = chunk or max(len(episodes), 1)
-    mine = [list(range(start, min(start + size, len(episodes))))
-            for start in range(0, len(episodes), size)][shard[0] :: shard[1]]
+    total = len(problems) * params.n  # episode eid is (prompt eid // n, sample eid % n)
+    size = chunk or max(total, 1)
+    mine = [range(start, min(start + size, total)) for start in range(0, total, size)][shard[0] :: shard[1]]
+    prompt_ids: dict[int, list[int]] = {}  # this rank's prompts, each tokenized once
+
+    def episode(eid: int) -> tuple[int, Episode]:
+        i = eid // params.n
+        if i not in prompt_ids:
+            prompt_ids[i] = chat_ids(tok, problems[i].messages())
+        return eid, Episode(i, eid % params.n, prompt_ids[i])
+
+    chunks = [[episode(eid) for eid in eids] for eids in mine]
     try:
-        for c, eids in enumerate(mine):
+        for c, chunk_eps in enumerate(chunks):
             seed = params.seed + 104_729 * (shard[0] + c * shard[1])  # the chunk's global index
-            _play_chunk(engine, tok, box, problems, [(eid, episodes[eid]) for eid in eids], params, stop, chat,
-                        max_turns, max_tokens, seed)
+            _play_chunk(engine, tok, box, problems, chunk_eps, params, stop, chat, max_turns, max_tokens, seed)
     finally:
         if own:
             box.close()
     return [Generation(ep.prompt_index, ep.sample_index, ep.tokens, ep.logprobs,
                        tok.decode(ep.tokens, skip_special_tokens=True), ep.finish,
                        rewards={"env": ep.env_reward} if ep.env_reward else {}, mask=ep.mask, error=ep.error)
-            for eids in mine for ep in (episodes[eid] for eid in eids)]
+            for chunk_eps in chunks for _, ep in chunk_eps]
 
 
 def _play_chunk(engine, tok, box: Sandbox, problems, chunk: list[tuple[int, Episode]], params: SamplingParams,
@@ -145,8 +152,8 @@ def limits(cfg) -> Limits:
 
 class EpisodeEngine:
     """The RL loop's engine when `ppo.environment` or `grpo.environment` is set: episodes instead of single
-    answers, over the HF engine that shares the policy's weights, with one sandboxed environment process for
-    the stage."""
+    answers, over the configured rollout engine (the HF engine on the policy's weights, vLLM, or an engine
+    actor), with one sandboxed environment process per rank."""
 
     def __init__(self, engine, cfg, chunk: int):
         self.engine, self.cfg, self.chunk = engine, cfg, chunk

@@ -1,7 +1,8 @@
 """`rlhf leaderboard`: every policy whose answers the store keeps (rlhf/engines/answers.py), rated against
 every other policy answered on the same prompts with the same sampling settings (episodes: and the same
-environment, whose settings are part of `params`), whichever run evaluated it: Bradley-Terry Elo with prompt-bootstrap 95% intervals, the length-controlled rating and the judge's
-length coefficient (rlhf/maths/style_control.py), and verifier accuracy.
+environment, whose settings are part of `params`), whichever run evaluated it: Bradley-Terry Elo with
+prompt-bootstrap 95% intervals, the length-controlled rating and the judge's length coefficient
+(rlhf/maths/style_control.py), and verifier accuracy.
 
 Judges: the verifier scores kept with the answers (right beats wrong, equal is a tie) for verified prompt
 sets; with a reward model (`--judge-model <run>/reward_model` or `model:<folder or hub id>`), every prompt

@@ -52,8 +52,8 @@ class Draw:
 
 class Prefetcher:
     """Samples iterations first..last in order on a thread of its own. `draw(engine, it)` returns the
-    fields of a Draw (problems, gens, scores, sampled), refills included; `make_engine(model)` builds the engine over the
-    producer's copy of the policy; `amp()` is the mixed-precision context (thread-local in torch, so the
+    fields of a Draw (problems, gens, scores, sampled), refills included; `make_engine(model)` builds the
+    engine over the producer's copy of the policy; `amp()` is the mixed-precision context (thread-local in torch, so the
     producer enters its own). The trainer calls `publish(version, policy)` after each iteration's update
     (or its skipped update) and `take(it)` for each iteration's draw."""
 

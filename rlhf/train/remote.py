@@ -53,8 +53,7 @@ class RemoteEngine:
         if dist.is_main():
             state = {k: v.detach().to("cpu") for k, v in policy.state_dict().items()}
             diff = call(self.handle, "rollout engine", "sync", state)
-        if dist.world_size() > 1:  # one rank may sync from rollout.async's sampling thread: no collective there
-            dist.barrier()
+        dist.barrier()
         return diff
 
     def close(self) -> None:
