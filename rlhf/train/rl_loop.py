@@ -283,7 +283,7 @@ def make_optimizer(cfg, params):
         import bitsandbytes as bnb
 
         return bnb.optim.AdamW8bit(params, lr=cfg.learning_rate)
-    return torch.optim.AdamW(params, lr=cfg.learning_rate)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, fused=cfg.optim == "adamw_torch_fused")
 
 
 def guard(algo: str, it: int, name: str, value: float, limit: float | None = None) -> None:
