@@ -17,6 +17,7 @@ from rlhf.engines.logprobs import CompletionOnlyScoring
 from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.pairs import demonstrations
+from rlhf.data.userdata import DataError
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.sources import make_task
 from rlhf.train.training import TrainerRun, trainer_kwargs
@@ -28,11 +29,42 @@ class CompletionScoredSFTTrainer(SharedPrefixLoss, CompletionOnlyScoring, SFTTra
     once (rlhf/engines/prefix.py)."""
 
 
+def prompt_tokens(tokenizer, prompt) -> int:
+    """Tokens of a demonstration's prompt as the trainer lays it out (a conversation through the chat
+    template, up to the assistant's turn); 0 for a row without one (`text`, `messages`)."""
+    if isinstance(prompt, list):
+        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if isinstance(prompt, str) else 0
+
+
+def fit_prompts(rows: list[dict], tokenizer, max_length: int, on_bad_row: str, log) -> tuple[list[dict], int]:
+    """(rows that leave room for their answer, dropped count). TRL truncates a row to max_length from its
+    start and then drops it silently when no answer token is left, so a prompt as long as max_length would
+    vanish from training (every row: a DataLoader error about zero samples). Named here instead, by row:
+    data.on_bad_row fail raises on the first screening, drop drops and counts; nothing left raises."""
+    kept, problems = [], []
+    for n, row in enumerate(rows, 1):
+        tokens = prompt_tokens(tokenizer, row.get("prompt"))
+        if tokens >= max_length:
+            problems.append(f"row {n}: its prompt is {tokens} tokens, sft.max_length is {max_length}: no answer token fits")
+        else:
+            kept.append(row)
+    if problems and (on_bad_row == "fail" or not kept):
+        shown = "\n  ".join(problems[:10])
+        why = "data.on_bad_row: fail" if kept else "none left"
+        raise DataError(f"{len(problems)} of {len(rows)} SFT demonstrations do not fit ({why}; raise sft.max_length):\n  {shown}")
+    for p in problems:
+        log.warning("dropped SFT demonstration %s", p)
+    return kept, len(problems)
+
+
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:
     pcfg = ctx.cfg
     rows, dropped = demonstrations(pcfg.data, ctx.log)
     base = resolve_model(pcfg.model)
     tokenizer = load_tokenizer(base)
+    rows, too_long = fit_prompts(rows, tokenizer, cfg.max_length, pcfg.data.on_bad_row, ctx.log)
+    dropped += too_long
     model = load_causal_lm(base, pcfg.model, trained=not cfg.lora.enabled)
     task = make_task(pcfg.data)
     held_out = [] if task.open_ended else task.eval[: cfg.eval_prompts]  # open-ended: nothing to verify

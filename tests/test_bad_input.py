@@ -157,6 +157,12 @@ CASES = [
     ("config-missing", [], ["-c", "/no/such/pipeline.yaml"], None, {}, "/no/such/pipeline.yaml: invalid configuration"),
     ("set-syntax", ["sft.learning_rate"], [], None, {}, "expected key.path=value"),
     ("set-into-value", ["grpo.learning_rate.x=1"], [], None, {}, "grpo.learning_rate: is a value, not a section"),
+    # task parameters the reasoning-gym generator refuses (the default's are chain_sum's), also in a plan of SFT alone
+    ("task-params", ["data.task=reasoning_gym:tower_of_hanoi"], [], None, {},
+     "data.task_params: reasoning-gym's 'tower_of_hanoi' refuses {'min_terms': 2"),
+    ("task-params-sft", ["data.task_params={min_terms: 0}", *[f"{s}.enabled=false" for s in
+                         ("preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")]], [], None, {},
+     "data.task_params: reasoning-gym's 'chain_sum' refuses {'min_terms': 0} (AssertionError"),
 ]
 
 

@@ -259,3 +259,29 @@ def test_sft_trainer_projects_only_completion_tokens_with_the_same_loss(tmp_path
     (theirs, their_rows), (ours, our_rows) = runs[SFTTrainer], runs[CompletionScoredSFTTrainer]
     assert len(ours) == 2 and ours == pytest.approx(theirs, abs=1e-5)
     assert len(our_rows) == 2 and all(o * 5 < t for o, t in zip(our_rows, their_rows))
+
+
+def test_demonstrations_whose_prompt_fills_max_length_are_named_before_training():
+    """TRL would drop such a row silently (nothing left to learn after truncation); with every row gone the
+    Trainer fails on an empty sampler. Counted by hand: the tiny tokenizer's chat template around 'hi'."""
+    import logging
+
+    from rlhf.core.config import TinyModelConfig
+    from rlhf.core.models import load_tokenizer, tiny_model_dir
+    from rlhf.data.userdata import DataError
+    from stages.sft import fit_prompts, prompt_tokens
+
+    tok = load_tokenizer(str(tiny_model_dir(TinyModelConfig())))
+    short = {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "4"}]}
+    n = prompt_tokens(tok, short["prompt"])
+    assert n == len(tok(tok.apply_chat_template(short["prompt"], tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)["input_ids"]) and n > 3
+    long = {**short, "prompt": [{"role": "user", "content": "hi " * 50}]}
+    log = logging.getLogger("test")
+    assert fit_prompts([short, long], tok, n + 1, "drop", log) == ([short], 1)
+    with pytest.raises(DataError, match=r"1 of 2 SFT demonstrations do not fit \(data.on_bad_row: fail; raise "
+                                        rf"sft.max_length\):\n  row 2: its prompt is \d+ tokens, sft.max_length is {n + 1}"):
+        fit_prompts([short, long], tok, n + 1, "fail", log)
+    with pytest.raises(DataError, match=r"2 of 2 SFT demonstrations do not fit \(none left"):
+        fit_prompts([short, long], tok, n, "drop", log)
+    assert fit_prompts([{"text": "no prompt"}], tok, 8, "fail", log) == ([{"text": "no prompt"}], 0)

@@ -16,6 +16,7 @@ from decimal import Decimal, InvalidOperation
 from functools import cached_property
 
 from rlhf.core.config import DataConfig
+from rlhf.data.userdata import DataError
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
@@ -71,7 +72,11 @@ class Task(Split):
     def _generate(self, seed: int, size: int):
         import reasoning_gym
 
-        return reasoning_gym.create_dataset(self.name, seed=seed, size=size, **self.cfg.task_params)
+        try:
+            return reasoning_gym.create_dataset(self.name, seed=seed, size=size, **self.cfg.task_params)
+        except (TypeError, ValueError, AssertionError) as e:  # reasoning-gym checks its parameters by assert
+            raise DataError(f"data.task_params: reasoning-gym's {self.name!r} refuses {self.cfg.task_params} "
+                            f"({type(e).__name__}: {e})") from None
 
     @cached_property
     def _splits(self) -> tuple[list[Problem], list[Problem]]:

@@ -207,6 +207,10 @@ def check_data(cfg: PipelineConfig) -> list[str]:
         lines.append(f"data.{key}: {len(rows)} usable rows" + (f", {len(dropped)} dropped" if dropped else ""))
     if "prompts" in files.values() or any(SPECS[s].kind == "rl" for s in plan(cfg)) or "eval" in plan(cfg):
         lines.append(prompts_line(cfg))
+    elif not cfg.data.prompts_path and plan(cfg):
+        from rlhf.data.sources import make_task
+
+        make_task(cfg.data).train  # generated here: task_params that reasoning-gym refuses are named before any stage
     return lines + reward_lines(cfg)
 
 
