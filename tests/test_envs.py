@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from conftest import run_cli, only
-from rlhf.core.config import ModelConfig, TinyModelConfig
+from rlhf.core.config import DataConfig, ModelConfig, TinyModelConfig
 from rlhf.core.models import load_causal_lm, load_tokenizer, tiny_model_dir
+from rlhf.data.sources import make_task
 from rlhf.engines.engine import Generation, SamplingParams, chat_ids
 from rlhf.envs.base import load_class
 from rlhf.envs.calculator import CalcError, Calculator, evaluate
-from rlhf.envs.episodes import episode_stats, run_episodes
+from rlhf.envs.episodes import episode_stats, problem_payload, run_episodes
 from rlhf.envs.feedback import is_right
+from rlhf.envs.hanoi import Hanoi
 from rlhf.envs.sandbox import Limits, Sandbox
 from rlhf.maths import rl_math
 from rlhf.train import rl_loop
@@ -186,6 +188,61 @@ def test_a_failing_tool_ends_the_episode_with_its_error(tiny_tokenizer):
     engine = Scripted(tiny_tokenizer, ["<call>x</call>", "never said"])
     [g] = run_episodes(engine, [Problem("q")], SamplingParams(0.0, 1.0, 8), "envs_hostile:Crashes", 4, 256)
     assert g.finish_reason == "env_error" and "process died" in g.error and len(engine.calls) == 1
+
+
+HANOI = {"id": "train-0", "question": "", "answer": None, "columns": {},
+         "metadata": {"num_disks": 2, "num_pegs": 3, "start_peg": 1, "target_peg": 3}}
+
+
+def test_the_hanoi_game_applies_moves_shows_the_pegs_and_pays_only_a_solved_puzzle():
+    """2 disks from peg 1 to peg 3, by hand: 1 -> 2, then 2 -> 3 and 1 -> 3 solves it."""
+    game = Hanoi()
+    game.reset(HANOI)
+    obs, reward, done = game.step("Move disk 1 from Peg 1 to Peg 2")
+    assert (reward, done) == (0.0, False)
+    assert "After 1 moves the pegs are (bottom to top):\nPeg 1: 2\nPeg 2: 1\nPeg 3: empty\n" in obs
+    assert game.step("move disk 2 from peg 1 to peg 3\nMove disk 1 from Peg 2 to Peg 3\nMove disk 1 ...") == (None, 1.0, True)
+    for moves, why in (("Move disk 2 from Peg 1 to Peg 2", "disk 2 is not on top of peg 1"),
+                       ("Move disk 1 from Peg 1 to Peg 2\nMove disk 2 from Peg 1 to Peg 2",
+                        "disk 2 cannot go onto the smaller disk 1 on peg 2"),
+                       ("Move disk 1 from Peg 1 to Peg 7", "there is no move from peg 1 to peg 7")):
+        game.reset(HANOI)
+        assert game.step(moves) == (f"Illegal move: {why}. The game is over.", 0.0, True)
+    game.reset(HANOI)
+    assert game.step("I give up.") == (None, 0.0, True)  # a turn without a move ends the game
+
+
+def test_the_hanoi_game_reads_a_prompts_files_question_and_refuses_other_problems():
+    game = Hanoi()
+    game.reset({"id": "file-3", "question": "Solve the Tower of Hanoi problem with 3 disks and 4 pegs.\n"
+                "Move all disks from Peg 2 to Peg 4 following the rules:"})
+    assert game.pegs == {1: [], 2: [3, 2, 1], 3: [], 4: []} and game.target == 4
+    for problem, why in (({"id": "eval-1", "question": "What is 2 + 2?"}, "prompt eval-1: the hanoi environment needs"),
+                         ({"id": "x", "question": "with 40 disks and 3 pegs. Move all disks from Peg 1 to Peg 2"},
+                          "not a playable puzzle")):
+        with pytest.raises(ValueError, match=why):
+            game.reset(problem)
+
+
+def test_a_hanoi_game_of_two_turns_on_reasoning_gyms_problems(tiny_tokenizer):
+    """The real task (reasoning-gym's tower_of_hanoi, its metadata sent to the game's process), the real
+    episode loop and sandbox; a scripted policy plays one move, reads the pegs, then finishes."""
+    cfg = DataConfig(task="reasoning_gym:tower_of_hanoi", train_size=4, eval_size=2,
+                     task_params={"min_disks": 2, "max_disks": 2, "min_pegs": 3, "max_pegs": 3})
+    problem = make_task(cfg).train[0]
+    assert problem_payload(problem)["metadata"]["num_disks"] == 2  # the game's starting position, from reasoning-gym
+    start, target = problem.entry["metadata"]["start_peg"], problem.entry["metadata"]["target_peg"]
+    aux = 6 - start - target
+    first = f"Move disk 1 from Peg {start} to Peg {aux}"
+    rest = f"Move disk 2 from Peg {start} to Peg {target}\nMove disk 1 from Peg {aux} to Peg {target}"
+    engine = Scripted(tiny_tokenizer, [first, rest])
+    [g] = run_episodes(engine, [problem], SamplingParams(0.0, 1.0, 32), "hanoi", 4, 512)
+    assert g.finish_reason == "env_done" and g.rewards == {"env": 1.0} and g.error is None
+    assert f"Peg {aux}: 1" in g.text and episode_stats([g])["episode_turns"] == 2.0
+    # a wrong first move ends the game at once, unpaid
+    [g] = run_episodes(Scripted(tiny_tokenizer, [f"Move disk 2 from Peg {start} to Peg {target}"]), [problem],
+                       SamplingParams(0.0, 1.0, 32), "hanoi", 4, 512)
+    assert g.finish_reason == "env_done" and g.rewards == {} and "Illegal move: disk 2 is not on top" in g.text
 
 
 def two_turn_batch():

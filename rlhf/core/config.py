@@ -671,9 +671,10 @@ class EnvironmentConfig(Strict):
     tokens are masked out of every loss term."""
 
     # calculator (built in: `<calc>12*7</calc>` answered `<result>84</result>`), feedback (built in: a
-    # wrong answer is told so in the next user turn and tried again), or a class of yours, 'module:Class'
-    # with reset(problem) and step(turn) -> (observation, reward, done)
-    name: str = Field(pattern=r"^(calculator|feedback|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
+    # wrong answer is told so in the next user turn and tried again), hanoi (built in: reasoning-gym's
+    # tower_of_hanoi played move by move, the pegs shown after each turn; reward 1 when solved), or a class
+    # of yours, 'module:Class' with reset(problem) and step(turn) -> (observation, reward, done)
+    name: str = Field(pattern=r"^(calculator|feedback|hanoi|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$", max_length=300)
     # keyword arguments for the class (feedback: attempt_cost, the reward taken off per wrong attempt,
     # and message); checked against its signature before the run starts
     options: dict[Annotated[str, Field(pattern=r"^[A-Za-z_]\w{0,63}$")],

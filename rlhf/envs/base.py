@@ -6,7 +6,8 @@ and vectorisation add nothing for text, and a user's class needs no import of ou
         stop = ("</tool>",)                  # strings that end a policy turn and hand over to the environment
         chat = False                         # True: the end of the policy's chat turn hands over too
         def __init__(self, **options): ...                 # environment.options, as keyword arguments
-        def reset(self, problem: dict) -> None: ...        # the prompt row: {question, answer, columns}
+        def reset(self, problem: dict) -> None: ...        # the prompt row: {id, question, answer, columns,
+                                                           #   metadata (a reasoning-gym task's, else {})}
         def step(self, turn: str) -> tuple[str | None, float, bool]:
             ...                                            # (observation, reward, done)
 
@@ -25,7 +26,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
-BUILTIN = {"calculator": "rlhf.envs.calculator:Calculator", "feedback": "rlhf.envs.feedback:Feedback"}
+BUILTIN = {"calculator": "rlhf.envs.calculator:Calculator", "feedback": "rlhf.envs.feedback:Feedback",
+           "hanoi": "rlhf.envs.hanoi:Hanoi"}
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,10 @@ def chat_observation_ids(tok, messages: list[dict], observation: str) -> list[in
 
 
 def problem_payload(problem) -> dict:
-    """What an environment's reset receives: plain data, safe to send to its process."""
-    return {"id": problem.id, "question": problem.question, "answer": problem.answer, "columns": problem.columns()}
+    """What an environment's reset receives: plain data, safe to send to its process (a reasoning-gym problem's
+    metadata too: a game's starting position is there)."""
+    return {"id": problem.id, "question": problem.question, "answer": problem.answer, "columns": problem.columns(),
+            "metadata": dict((getattr(problem, "entry", None) or {}).get("metadata") or {})}
 
 
 def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: int, max_tokens: int,
