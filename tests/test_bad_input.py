@@ -163,6 +163,11 @@ CASES = [
     ("task-params-sft", ["data.task_params={min_terms: 0}", *[f"{s}.enabled=false" for s in
                          ("preferences", "reward_model", "ref_logprobs", "dpo", "grpo", "eval")]], [], None, {},
      "data.task_params: reasoning-gym's 'chain_sum' refuses {'min_terms': 0} (AssertionError"),
+    # a built-in environment that cannot play the prompts (the hanoi game on chain_sum sums)
+    ("env-prompts", ["grpo.environment={name: hanoi}"], [], None, {},
+     "grpo.environment: environment 'hanoi' cannot play these prompts: prompt rl-0: the hanoi environment needs"),
+    ("eval-env-prompts", ["eval.environment={name: hanoi}"], [], None, {},
+     "eval.environment: environment 'hanoi' cannot play these prompts: prompt eval-0"),
 ]
 
 

@@ -40,6 +40,13 @@ class Step:
     error: str | None = None
 
 
+def problem_payload(problem) -> dict:
+    """What an environment's reset receives: plain data, safe to send to its process (a reasoning-gym problem's
+    metadata too: a game's starting position is there)."""
+    return {"id": problem.id, "question": problem.question, "answer": problem.answer, "columns": problem.columns(),
+            "metadata": dict((getattr(problem, "entry", None) or {}).get("metadata") or {})}
+
+
 def resolve(spec: str) -> str:
     """'calculator' (built in) or 'module:Class' -> 'module:Class'."""
     return BUILTIN.get(spec, spec)
@@ -59,16 +66,22 @@ def load_class(spec: str):
     return cls
 
 
-def check(spec: str, options: dict) -> str:
+def check(spec: str, options: dict, problems=()) -> str:
     """Before a run: the class loads and takes `options` as keyword arguments (a class of the user's is
     checked on its signature only: none of its code runs outside the sandbox; a built-in is built once,
-    which checks the values too). Returns 'module:Class'; ValueError naming what is wrong."""
+    which checks the values too, and reset on `problems`, a few of the prompts it will play: a game on
+    prompts that are not its puzzles, or feedback on prompts without answers, is named before any model
+    loads). Returns 'module:Class'; ValueError naming what is wrong."""
     cls = load_class(spec)
     try:
         inspect.signature(cls).bind(**options)
-        if spec in BUILTIN:
-            cls(**options)
+        env = cls(**options) if spec in BUILTIN else None
     except (TypeError, ValueError) as e:
         raise ValueError(f"environment {spec!r}: options {options} do not fit {cls.__name__}"
                          f"{inspect.signature(cls)}: {e}") from None
+    for problem in problems if env is not None else ():
+        try:
+            env.reset(problem_payload(problem))
+        except ValueError as e:
+            raise ValueError(f"environment {spec!r} cannot play these prompts: {e}") from None
     return resolve(spec)

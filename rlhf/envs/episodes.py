@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlhf.engines.engine import Generation, SamplingParams, chat_ids
-from rlhf.envs.base import load_class
+from rlhf.envs.base import load_class, problem_payload
 from rlhf.envs.sandbox import Limits, Sandbox
 
 
@@ -50,13 +50,6 @@ def chat_observation_ids(tok, messages: list[dict], observation: str) -> list[in
     end = before.rfind(tok.eos_token) if tok.eos_token else -1  # the policy wrote up to its end-of-turn token
     text = (before[end + len(tok.eos_token):] if end >= 0 else "") + after[len(before):]
     return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def problem_payload(problem) -> dict:
-    """What an environment's reset receives: plain data, safe to send to its process (a reasoning-gym problem's
-    metadata too: a game's starting position is there)."""
-    return {"id": problem.id, "question": problem.question, "answer": problem.answer, "columns": problem.columns(),
-            "metadata": dict((getattr(problem, "entry", None) or {}).get("metadata") or {})}
 
 
 def run_episodes(engine, problems, params: SamplingParams, env: str, max_turns: int, max_tokens: int,

@@ -266,7 +266,8 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
             from rlhf.envs.base import check
 
             try:
-                cls = check(env.name, env.options)
+                task = task or make_task(cfg.data)
+                cls = check(env.name, env.options, task.rl[:2])
             except ValueError as e:
                 raise DataError(f"{name}.environment: {e}") from None
             terms.append("the environment's rewards")
@@ -277,7 +278,7 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
         from rlhf.envs.base import check
 
         try:
-            cls = check(env.name, env.options)
+            cls = check(env.name, env.options, (task or make_task(cfg.data)).eval[:2])
         except ValueError as e:
             raise DataError(f"eval.environment: {e}") from None
         lines.append(f"eval: episodes with {cls}{_options(env.options)}, up to {env.max_turns} turns and {env.max_tokens} tokens")
