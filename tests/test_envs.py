@@ -210,6 +210,8 @@ def test_the_hanoi_game_applies_moves_shows_the_pegs_and_pays_only_a_solved_puzz
         assert game.step(moves) == (f"Illegal move: {why}. The game is over.", 0.0, True)
     game.reset(HANOI)
     assert game.step("I give up.") == (None, 0.0, True)  # a turn without a move ends the game
+    game.reset(HANOI)
+    assert game.step("Move disk " + "1" * 5000 + " from Peg 1 to Peg 2") == (None, 0.0, True)  # no move, no int()
 
 
 def test_the_hanoi_game_reads_a_prompts_files_question_and_refuses_other_problems():
@@ -219,7 +221,9 @@ def test_the_hanoi_game_reads_a_prompts_files_question_and_refuses_other_problem
     assert game.pegs == {1: [], 2: [3, 2, 1], 3: [], 4: []} and game.target == 4
     for problem, why in (({"id": "eval-1", "question": "What is 2 + 2?"}, "prompt eval-1: the hanoi environment needs"),
                          ({"id": "x", "question": "with 40 disks and 3 pegs. Move all disks from Peg 1 to Peg 2"},
-                          "not a playable puzzle")):
+                          "not a playable puzzle"),
+                         ({"id": "big", "question": "9" * 5000 + " disks and 3 pegs. Move all disks from Peg 1 to Peg 2"},
+                          "prompt big: the hanoi environment needs")):
         with pytest.raises(ValueError, match=why):
             game.reset(problem)
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import re
 
-MOVE = re.compile(r"move\s+disk\s+(\d+)\s+from\s+peg\s+(\d+)\s+to\s+peg\s+(\d+)", re.IGNORECASE)
-SIZE = re.compile(r"(\d+)\s+disks?\s+and\s+(\d+)\s+pegs", re.IGNORECASE)
-ENDS = re.compile(r"from\s+peg\s+(\d+)\s+to\s+peg\s+(\d+)", re.IGNORECASE)
+# Numbers of at most 4 digits (puzzles have at most 12 disks and 9 pegs): a longer run of digits is no move
+# and no puzzle, not an int() of unbounded length from a policy's turn or a prompts file.
+MOVE = re.compile(r"move\s+disk\s+(\d{1,4})\s+from\s+peg\s+(\d{1,4})\s+to\s+peg\s+(\d{1,4})\b", re.IGNORECASE)
+SIZE = re.compile(r"\b(\d{1,4})\s+disks?\s+and\s+(\d{1,4})\s+pegs", re.IGNORECASE)
+ENDS = re.compile(r"from\s+peg\s+(\d{1,4})\s+to\s+peg\s+(\d{1,4})\b", re.IGNORECASE)
 MAX_DISKS, MAX_PEGS = 12, 9
 
 
