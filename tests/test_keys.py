@@ -18,7 +18,8 @@ import torch
 from conftest import CONFIG, only, run_cli
 from rlhf.core import fingerprint
 from rlhf.core.loader import load_config
-from rlhf.core.models import native_bf16, tiny_model_dir
+from rlhf.core.hardware import native_bf16
+from rlhf.core.models import tiny_model_dir
 from rlhf.pipeline.identity import explain
 from rlhf.pipeline.preflight import predicted_identities, predicted_keys
 from rlhf.pipeline.runner import execute_stage

@@ -136,7 +136,7 @@ def test_validate_prints_the_preflight():
 
 
 def test_bf16_on_a_cpu_is_native_only_with_its_flags(tmp_path):
-    from rlhf.core.models import cpu_has_bf16
+    from rlhf.core.hardware import cpu_has_bf16
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n")
@@ -151,10 +151,49 @@ def test_bf16_on_a_cpu_is_native_only_with_its_flags(tmp_path):
 @pytest.mark.parametrize("native, dtype, expected", [(True, "float32", "bfloat16"), (False, "float32", "float32"),
                                                      (False, "bfloat16", "bfloat16")])
 def test_inference_dtype_auto_takes_bf16_only_where_it_is_native(monkeypatch, native, dtype, expected):
+    import rlhf.core.hardware as hardware
     import rlhf.core.models as models
     from rlhf.core.config import ModelConfig
 
-    monkeypatch.setattr(models, "native_bf16", lambda: native)
+    monkeypatch.setattr(hardware, "native_bf16", lambda: native)
     resolved = models.inference_model(ModelConfig(dtype=dtype, inference_dtype="auto"))
     assert resolved.dtype == expected and not resolved.mixed_precision
     assert models.inference_model(ModelConfig()).dtype == "float32"  # unset: the training dtype
+
+
+@pytest.mark.parametrize("native, dtype, mixed", [(True, "bfloat16", True), (False, "float32", False)])
+def test_mixed_precision_auto_is_decided_when_the_config_is_read(monkeypatch, native, dtype, mixed):
+    """auto: bfloat16 mixed precision where native, else float32; the choice is in the config every stage and
+    every content key sees, so runs on the two kinds of machine never share a key."""
+    import rlhf.core.hardware as hardware
+    import rlhf.core.models as models
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda: native)
+    cfg = load_config(CONFIG, "default", ["model.mixed_precision=auto"])
+    assert (cfg.model.dtype, cfg.model.mixed_precision) == (dtype, mixed)
+    assert models.model_identity(cfg.model).get("mixed_precision", False) == mixed
+    assert ModelConfig.model_validate(cfg.model.model_dump()) == cfg.model  # a resolved config validates as itself
+    with pytest.raises(ValueError, match="mixed_precision: auto goes with dtype float32"):
+        ModelConfig(dtype="float16", mixed_precision="auto")
+
+
+def test_mixed_precision_auto_keys_differ_by_machine(monkeypatch):
+    import rlhf.core.hardware as hardware
+
+    keys = {}
+    for native in (True, False):
+        monkeypatch.setattr(hardware, "native_bf16", lambda: native)
+        keys[native] = predicted_keys(load_config(CONFIG, "tiny", ["model.mixed_precision=auto"]))
+    assert keys[True]["sft"] != keys[False]["sft"]
+
+
+def test_validate_prints_what_mixed_precision_auto_chose_and_refuses_it_with_a_16_bit_dtype():
+    from rlhf.core.hardware import native_bf16
+
+    chosen = run_cli("validate", "--profile", "tiny", "--set", "model.mixed_precision=auto")
+    assert chosen.returncode == 0, chosen.stderr
+    expected = "dtype: bfloat16\n  attn_implementation: sdpa\n  mixed_precision: true" if native_bf16() else (
+        "dtype: float32\n  attn_implementation: sdpa\n  mixed_precision: false")
+    assert expected in chosen.stdout, chosen.stdout[:800]
+    refused = run_cli("validate", "--profile", "tiny", "--set", "model.mixed_precision=auto", "--set", "model.dtype=float16")
+    assert refused.returncode == 2 and "model.mixed_precision: auto goes with dtype float32" in refused.stderr, refused.stderr

@@ -14,7 +14,8 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 import rlhf.engines.logprobs
 from rlhf.core.config import ModelConfig
 from rlhf.engines.logprobs import pair_logps, tokenize_pair
-from rlhf.core.models import load_causal_lm, load_tokenizer, native_bf16, resolve_model
+from rlhf.core.hardware import native_bf16
+from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from conftest import only
 from rlhf.pipeline.runner import execute_stage
 from rlhf.core.store import ArtifactStore

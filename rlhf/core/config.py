@@ -90,7 +90,11 @@ class ModelConfig(Strict):
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"  # transformers attention kernel
     # Mixed precision (Micikevicius et al. 2018): trained weights, gradients and AdamW states in float32,
     # compute in `dtype` (autocast); frozen models (reference, reward model) and LoRA bases stay in `dtype`.
-    mixed_precision: bool = False
+    # auto (with dtype float32): true with dtype bfloat16 where the hardware computes bfloat16 natively (a GPU
+    # that supports it, a CPU with AVX512_BF16 or AMX), else false; decided by the machine that reads the config
+    # (`rlhf run`'s, a deployment's flow run), so the keys and every stage see one choice. Stages on other
+    # hardware than that (a GPU pool under a CPU flow run): set true or false.
+    mixed_precision: Literal[False, True, "auto"] = False
     # dtype of the stages that only run inference (preferences sampling, the reference cache, rollout, eval);
     # unset: `dtype`; auto: bfloat16 where the hardware computes it natively (a GPU that supports it, a CPU
     # with AVX512_BF16 or AMX), else `dtype`. Trained and RL stages never read it.
@@ -103,6 +107,19 @@ class ModelConfig(Strict):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_precision(cls, data):
+        if isinstance(data, dict) and data.get("mixed_precision") == "auto":
+            if data.get("dtype", "float32") != "float32":
+                raise ValueError("mixed_precision: auto goes with dtype float32 (it chooses between float32 and "
+                                 "bfloat16 mixed precision); with another dtype set it to true or false")
+            from rlhf.core import hardware
+
+            native = hardware.native_bf16()
+            data = {**data, "dtype": "bfloat16" if native else "float32", "mixed_precision": native}
+        return data
 
     @model_validator(mode="after")
     def _mixed(self) -> ModelConfig:

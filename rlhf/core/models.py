@@ -15,6 +15,7 @@ import uuid
 from importlib.metadata import version
 from pathlib import Path
 
+from rlhf.core import hardware
 from rlhf.core.config import ModelConfig, TinyModelConfig
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -158,31 +159,6 @@ def weights_dtype(cfg: ModelConfig, trained: bool) -> str:
     return "float32" if trained and cfg.mixed_precision else cfg.dtype
 
 
-def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU computes bfloat16 natively (x86 AVX512_BF16 or AMX-BF16 in its Linux flags); other
-    CPUs emulate it, at a fraction of float32's speed."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def native_bf16() -> bool:
-    """bfloat16 at full speed here: a CUDA device that supports it, else the CPU's flags. torch is imported
-    only where a GPU driver is present, so a skipped rerun on a CPU machine does not pay for it."""
-    import os
-    import sys
-
-    if "torch" in sys.modules or os.path.exists("/proc/driver/nvidia/version"):
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.is_bf16_supported()
-    return cpu_has_bf16()
-
-
 def inference_model(cfg: ModelConfig) -> ModelConfig:
     """The model settings of inference-only stages: `inference_dtype` where set (no autocast: nothing is
     trained; auto resolved on this machine), else the training settings unchanged."""
@@ -190,7 +166,7 @@ def inference_model(cfg: ModelConfig) -> ModelConfig:
         return cfg
     dtype = cfg.inference_dtype
     if dtype == "auto":
-        dtype = "bfloat16" if native_bf16() else cfg.dtype
+        dtype = "bfloat16" if hardware.native_bf16() else cfg.dtype
     return cfg.model_copy(update={"dtype": dtype, "mixed_precision": False})
 
 

@@ -10,7 +10,7 @@ from rlhf.core.config import PipelineConfig
 from rlhf.core.registry import SPECS, locate, of_kind, plan, stage_inputs
 from rlhf.pipeline.identity import DATA_FILES, explain, identity, key_of
 from rlhf.core.manifest import ManifestError
-from rlhf.core.models import cpu_has_bf16
+from rlhf.core.hardware import cpu_has_bf16
 from rlhf.core.store import ATTEMPT, endpoint_problem
 
 
