@@ -12,7 +12,7 @@ if [ -f "$stamp" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q --no-compile "mlflow==${RLHF_MLFLOW_VERSION:-3.17.2}"
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true   # as setup.sh
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null 2>&1 || true   # as setup.sh
 "$VENV/bin/python" -c "import mlflow; print('mlflow', mlflow.__version__, 'in', '$VENV')"
 rm -f "$VENV"/.rlhf-mlflow-*
 touch "$stamp"

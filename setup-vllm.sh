@@ -40,7 +40,7 @@ if [ "$flavour" = cpu ]; then
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 fi
 # Byte-code after the uninstall, so nothing removed is compiled, on every core (as setup.sh)
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null || true
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null 2>&1 || true
 "$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__, 'in', '$VENV')"
 rm -f "$VENV"/.rlhf-vllm-*
 touch "$stamp"
