@@ -17,7 +17,7 @@ from rlhf.engines.logprobs import CompletionOnlyScoring
 from rlhf.engines.prefix import SharedPrefixLoss
 from rlhf.core.models import load_causal_lm, load_tokenizer, resolve_model
 from rlhf.data.pairs import demonstrations
-from rlhf.data.userdata import DataError
+from rlhf.data.userdata import sift
 from rlhf.core.stage import StageContext, StageResult
 from rlhf.data.sources import make_task
 from rlhf.train.training import TrainerRun, trainer_kwargs
@@ -40,22 +40,16 @@ def prompt_tokens(tokenizer, prompt) -> int:
 def fit_prompts(rows: list[dict], tokenizer, max_length: int, on_bad_row: str, log) -> tuple[list[dict], int]:
     """(rows that leave room for their answer, dropped count). TRL truncates a row to max_length from its
     start and then drops it silently when no answer token is left, so a prompt as long as max_length would
-    vanish from training (every row: a DataLoader error about zero samples). Named here instead, by row:
-    data.on_bad_row fail raises on the first screening, drop drops and counts; nothing left raises."""
-    kept, problems = [], []
-    for n, row in enumerate(rows, 1):
+    vanish from training (every row: a DataLoader error about zero samples). Named here instead, by row."""
+    def problem(n_row):
+        n, row = n_row
         tokens = prompt_tokens(tokenizer, row.get("prompt"))
-        if tokens >= max_length:
-            problems.append(f"row {n}: its prompt is {tokens} tokens, sft.max_length is {max_length}: no answer token fits")
-        else:
-            kept.append(row)
-    if problems and (on_bad_row == "fail" or not kept):
-        shown = "\n  ".join(problems[:10])
-        why = "data.on_bad_row: fail" if kept else "none left"
-        raise DataError(f"{len(problems)} of {len(rows)} SFT demonstrations do not fit ({why}; raise sft.max_length):\n  {shown}")
-    for p in problems:
-        log.warning("dropped SFT demonstration %s", p)
-    return kept, len(problems)
+        return f"row {n}: its prompt is {tokens} tokens, sft.max_length is {max_length}: no answer token fits" \
+            if tokens >= max_length else None
+
+    kept, problems = sift(list(enumerate(rows, 1)), problem, on_bad_row, log, "SFT demonstrations",
+                          hint="; raise sft.max_length")
+    return [row for _, row in kept], len(problems)
 
 
 def run(cfg: SFTConfig, ctx: StageContext) -> StageResult:

@@ -279,9 +279,9 @@ def test_demonstrations_whose_prompt_fills_max_length_are_named_before_training(
     long = {**short, "prompt": [{"role": "user", "content": "hi " * 50}]}
     log = logging.getLogger("test")
     assert fit_prompts([short, long], tok, n + 1, "drop", log) == ([short], 1)
-    with pytest.raises(DataError, match=r"1 of 2 SFT demonstrations do not fit \(data.on_bad_row: fail; raise "
+    with pytest.raises(DataError, match=r"1 of 2 SFT demonstrations are unusable \(data.on_bad_row: fail; raise "
                                         rf"sft.max_length\):\n  row 2: its prompt is \d+ tokens, sft.max_length is {n + 1}"):
         fit_prompts([short, long], tok, n + 1, "fail", log)
-    with pytest.raises(DataError, match=r"2 of 2 SFT demonstrations do not fit \(none left"):
+    with pytest.raises(DataError, match=r"2 of 2 SFT demonstrations are unusable \(none left"):
         fit_prompts([short, long], tok, n, "drop", log)
     assert fit_prompts([{"text": "no prompt"}], tok, 8, "fail", log) == ([{"text": "no prompt"}], 0)

@@ -80,3 +80,19 @@ def test_shipped_example_files_are_valid():
     assert len(prefs) == 5 and dropped == []
     sft, dropped = load_rows(str(REPO / "data" / "examples" / "sft.jsonl"), "sft")
     assert len(sft) == 4 and dropped == []
+
+
+def test_sift_drops_or_fails_and_never_returns_nothing():
+    import logging
+
+    from rlhf.data.userdata import sift
+
+    log, odd = logging.getLogger("test"), (lambda n: f"item {n}: odd" if n % 2 else None)
+    assert sift([2, 3, 4, 5], odd, "drop", log, "numbers") == ([2, 4], ["item 3: odd", "item 5: odd"])
+    with pytest.raises(DataError, match=r"^2 of 4 numbers are unusable \(data.on_bad_row: fail; see x\):\n  item 3: odd\n  item 5"):
+        sift([2, 3, 4, 5], odd, "fail", log, "numbers", hint="; see x")
+    with pytest.raises(DataError, match=r"^2 of 2 numbers are unusable \(none left\)"):
+        sift([1, 3], odd, "drop", log, "numbers")
+    with pytest.raises(ValueError, match="there are no numbers to screen"):
+        sift([], odd, "drop", log, "numbers", error=ValueError)
+    assert sift([2], odd, "fail", log, "numbers") == ([2], [])

@@ -33,6 +33,29 @@ class DataError(Exception):
     pass
 
 
+def sift(items: list, problem_of, on_bad_row: str, log, what: str, hint: str = "", error: type = DataError
+         ) -> tuple[list, list[str]]:
+    """(items without a problem, the problems): the screening a stage does once rows are tokenized (a prompt
+    or pair longer than its max_length). `problem_of(item)` names an item's problem or returns None.
+    data.on_bad_row fail raises naming the first ten; drop warns for each and counts; none left raises."""
+    if not items:
+        raise error(f"there are no {what} to screen")
+    kept, problems = [], []
+    for item in items:
+        problem = problem_of(item)
+        if problem is None:
+            kept.append(item)
+        else:
+            problems.append(problem)
+    if problems and (on_bad_row == "fail" or not kept):
+        why = "data.on_bad_row: fail" if kept else "none left"
+        shown = "\n  ".join(problems[:10])
+        raise error(f"{len(problems)} of {len(items)} {what} are unusable ({why}{hint}):\n  {shown}")
+    for p in problems:
+        log.warning("dropped %s", p)
+    return kept, problems
+
+
 class BadLine:
     """A JSONL line that is not a JSON value: reported (fail) or counted (drop) like any bad row."""
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 from rlhf.core import codehash, fingerprint
 from rlhf.engines.logprobs import TokenizedPair, length_problem
 from rlhf.core.tables import REF_LOGPS_SCHEMA
+from rlhf.data.userdata import sift
 
 TABLE = "ref_logps.parquet"
 
@@ -83,18 +84,6 @@ def screen(
     pairs: list[TokenizedPair], max_length: int, on_bad_row: str, log, noun: str = "preference pair"
 ) -> tuple[list[TokenizedPair], list[str]]:
     """Over-long or empty rows, by id: fail on the first screening (data.on_bad_row: fail) or drop and count."""
-    kept, problems = [], []
-    for pair in pairs:
-        problem = length_problem(pair, max_length)
-        if problem is None:
-            kept.append(pair)
-        else:
-            problems.append(f"{noun.split()[-1]} {pair.pair_id}: {problem}")
-    if problems and on_bad_row == "fail":
-        shown = "\n  ".join(problems[:20])
-        raise BadPairs(f"{len(problems)} {noun}s are unusable (data.on_bad_row: fail):\n  {shown}")
-    for p in problems:
-        log.warning("dropped %s", p)
-    if not kept:
-        raise BadPairs(f"no usable {noun}s left after screening")
-    return kept, problems
+    label = noun.split()[-1]
+    return sift(pairs, lambda p: (why := length_problem(p, max_length)) and f"{label} {p.pair_id}: {why}",
+                on_bad_row, log, f"{noun}s", error=BadPairs)
