@@ -85,5 +85,9 @@ def screen(
 ) -> tuple[list[TokenizedPair], list[str]]:
     """Over-long or empty rows, by id: fail on the first screening (data.on_bad_row: fail) or drop and count."""
     label = noun.split()[-1]
-    return sift(pairs, lambda p: (why := length_problem(p, max_length)) and f"{label} {p.pair_id}: {why}",
-                on_bad_row, log, f"{noun}s", error=BadPairs)
+
+    def problem(pair: TokenizedPair) -> str | None:
+        why = length_problem(pair, max_length)
+        return None if why is None else f"{label} {pair.pair_id}: {why}"
+
+    return sift(pairs, problem, on_bad_row, log, f"{noun}s", error=BadPairs)
