@@ -196,6 +196,33 @@ def test_a_child_that_does_not_stop_is_killed_after_the_grace_or_a_second_signal
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
 
 
+STUCK_ON_EXIT = textwrap.dedent("""
+    import atexit, os, time
+    from rlhf.pipeline.supervise import fork_supervised
+    fork_supervised(grace=2.0)
+    def stuck_on_the_way_out():
+        time.sleep(60)
+    atexit.register(stuck_on_the_way_out)  # the signal's SystemExit runs it, and it never returns
+    print(f"child {os.getpid()}", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_stop_that_hangs_says_where_before_the_child_is_killed():
+    """The child's stop handler arms faulthandler's watchdog: a second before the parent's SIGKILL every
+    thread's stack reaches stderr, so a hung stop (an exit handler, a library's shutdown) names its place."""
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_ON_EXIT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO)
+    child = int(proc.stdout.readline().split()[1])
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 4.0, (proc.returncode, out)
+    dump, killed = out.index("stuck_on_the_way_out"), out.index(f"no exit within 2 s of the signal: killing the flow process {child}")
+    assert "Thread 0x" in out[:dump] and dump < killed, out
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
 ORPHANING = textwrap.dedent("""
     import subprocess, time
     from rlhf.pipeline.supervise import fork_supervised

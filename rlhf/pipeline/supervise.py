@@ -12,7 +12,8 @@ parent alone, which turns SIGINT, SIGTERM or SIGHUP into one SIGTERM for the chi
 stopped under a flow that still reports to it. A stage stops where it is; that point is resumable, since
 manifests are written last and checkpoints carry a completion marker. A child still alive `grace`
 seconds later (stuck in a call that does not return to the interpreter), or a second signal, gets
-SIGKILL with its whole group. After a child that did not end cleanly, `after` releases what it held
+SIGKILL with its whole group; a second before that, the child writes every thread's Python stack to its
+stderr (faulthandler's watchdog, armed by the stop signal), so a stop that hangs says where. After a child that did not end cleanly, `after` releases what it held
 (the run lock). When the parent itself is SIGKILLed, no one is left to kill the group, so the child's last
 exit handler kills whatever of its group is still there: a server whose start the signal interrupted
 (after its process started, before Prefect registered the handler that stops it) outlived the run.
@@ -21,6 +22,7 @@ exit handler kills whatever of its group is still there: a server whose start th
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import gc
 import os
 import signal
@@ -36,6 +38,17 @@ STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 def exit_on_signal(signum, frame) -> None:
     raise SystemExit(128 + signum)
+
+
+def stop_child(grace: float) -> Callable:
+    """The child's stop handler: exit as exit_on_signal does, after arming a watchdog (a C thread, so it fires
+    even while the main thread is stuck in a call that never returns to the interpreter) that writes every
+    thread's stack to stderr one second before the parent's SIGKILL. A clean stop ends the process first."""
+    def handler(signum, frame) -> None:
+        faulthandler.dump_traceback_later(max(grace - 1.0, 0.1), file=sys.__stderr__)
+        raise SystemExit(128 + signum)
+
+    return handler
 
 
 def fork_supervised(after: Callable[[int], None] | None = None, grace: float = GRACE) -> None:
@@ -65,7 +78,7 @@ def fork_supervised(after: Callable[[int], None] | None = None, grace: float = G
         atexit.register(gc.freeze)
         atexit.register(kill_rest_of_group)
         for sig in STOPS:
-            signal.signal(sig, exit_on_signal)
+            signal.signal(sig, stop_child(grace))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
         return
     try:  # set on both sides of the fork, as shells do: the group exists before either side relies on it
