@@ -293,12 +293,12 @@ def deploy(config: dict, config_path: str, heartbeat_seconds: int = 30, source: 
     repo = source or str(Path(__file__).resolve().parent.parent)  # a path the workers see, or a git URL
     rlhf.from_source(source=repo, entrypoint="flows/rlhf_flow.py:rlhf").deploy(
         name="full", work_pool_name=cfg.run.work_pool, parameters={"config_path": config_path, "dispatch": True},
-        print_next_steps=False,
+        print_next_steps=False, ignore_warnings=True,  # not "use .serve for local development": pools are the point
     )
     for stage in STAGES:
         placement = cfg.stage(stage)
         rlhf_stage.from_source(source=repo, entrypoint="flows/rlhf_flow.py:rlhf_stage").deploy(
             name=stage, work_pool_name=cfg.work_pool(stage), job_variables=dict(placement.job_variables),
-            print_next_steps=False,
+            print_next_steps=False, ignore_warnings=True,
         )
     ensure_crash_detection(heartbeat_seconds)

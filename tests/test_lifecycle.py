@@ -254,6 +254,16 @@ def services(tmp_path):
     up = run_cli("up", "--profile", "tiny", "--state-dir", str(state), env=env)
     assert up.returncode == 0, up.stdout + up.stderr
     api = (state / "api_url").read_text().strip()
+    # a line per service started, not Prefect's table and process-pool advice for each of 11 deployments
+    assert up.stdout.splitlines() == [f"server: {api} (pid {(state / 'server.pid').read_text()})",
+                                      *(f"worker: pool {p!r} (pid {(state / f'worker-{p}.pid').read_text()})" for p in
+                                        ("cpu", "gpu")),
+                                      "deployments: rlhf/full and rlhf-stage/<stage>; run: prefect deployment run "
+                                      "rlhf/full --watch"], up.stdout
+    # the active profile names the server, so plain `prefect` commands reach it
+    shown = subprocess.run([str(Path(sys.executable).parent / "prefect"), "config", "view"], capture_output=True,
+                           text=True, env={**no_api_env(), **env})
+    assert f"PREFECT_API_URL='{api}' (from profile)" in shown.stdout, shown.stdout + shown.stderr
     yield state, {**no_api_env(), **env, "PREFECT_API_URL": api}
     run_cli("down", "--force", "--state-dir", str(state), env=env)
 

@@ -161,8 +161,12 @@ def start_ray(state: Path, cpus: int | None = None, log=print) -> str:
     fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    # nice 0: ranks started here are the work, not background tasks (Ray's default worker niceness is 15)
-    pid = _spawn(state, "ray", argv, {**os.environ, **ray_client_env(state), "RAY_worker_niceness": "0"})
+    # nice 0: ranks started here are the work, not background tasks (Ray's default worker niceness is 15).
+    # No drain on SIGTERM: Ray 2.60's head then waits up to 30 s for its node to drain (for Serve proxies to
+    # quiesce), and once a client had joined, `rlhf down` took 31.5 s against 5 s; our ranks resume from the store.
+    # (A drain the user sets wins.)
+    env = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **os.environ, **ray_client_env(state), "RAY_worker_niceness": "0"}
+    pid = _spawn(state, "ray", argv, env)
     deadline = time.time() + 120
     while address_problem(addr, timeout=1) is not None:
         if time.time() > deadline or not _alive(pid):
@@ -206,9 +210,11 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
     ray_addr = start_ray(state, log=log) if ray else ray_address(state)  # a head from an earlier `up --ray` too
     if ray_addr:
         env.update({"RAY_ADDRESS": ray_addr, **ray_client_env(state)})
+    start_mlflow(cfg, state, log)
+    # pools, deployments, the automation and the profile's API URL in one child process (each a `prefect` CLI
+    # call before: 2-3 s apiece of imports); workers start after, once their pools exist
+    register_deployments(cfg, config_path, api, heartbeat_seconds, pools(cfg))
     for pool in pools(cfg):
-        subprocess.run([str(BIN / "prefect"), "work-pool", "create", pool, "--type", "process", "--overwrite"],
-                       env=env, check=True, capture_output=True)
         pid_file = state / f"worker-{pool}.pid"
         if pid_file.exists() and _alive(int(pid_file.read_text())):
             if ray_addr and f"RAY_ADDRESS={ray_addr}" not in _environ(int(pid_file.read_text())):
@@ -217,23 +223,44 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
             continue
         pid = _spawn(state, f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"], env)
         log(f"worker: pool {pool!r} (pid {pid})")
-    start_mlflow(cfg, state, log)
-    register_deployments(cfg, config_path, api, heartbeat_seconds)
-    subprocess.run([str(BIN / "prefect"), "config", "set", f"PREFECT_API_URL={api}"], check=True, capture_output=True)
     (state / "pools.json").write_text(json.dumps(pools(cfg)))
     log("deployments: rlhf/full and rlhf-stage/<stage>; run: prefect deployment run rlhf/full --watch")
     return api
 
 
-def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heartbeat_seconds: int) -> None:
-    """Registered in a child process so that PREFECT_API_URL applies from Prefect's first import."""
+def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heartbeat_seconds: int,
+                         process_pools: list[str]) -> None:
+    """In a child process, so that PREFECT_API_URL applies from Prefect's first import: the process work pools
+    (created, or updated in place), the deployments and the crash-detection automation, then `api` as the
+    active profile's PREFECT_API_URL (as `prefect config set` does), so that `prefect` commands reach it."""
     code = (
-        "import sys, json; from flows.rlhf_flow import deploy; "
-        "deploy(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]))"
+        "import sys, json; from rlhf.cli.services import _register; "
+        "_register(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5])"
     )
     env = {**os.environ, "PREFECT_API_URL": api}
-    subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json")), str(config_path.resolve()),
-                    str(heartbeat_seconds)], env=env, check=True, cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json")),
+                           str(config_path.resolve()), str(heartbeat_seconds), json.dumps(process_pools), api],
+                          env=env, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"registering the deployments on {api} failed:\n{done.stderr[-3000:]}")
+
+
+def _register(config: dict, config_path: str, heartbeat_seconds: int, process_pools: list[str], api: str) -> None:
+    """register_deployments' child."""
+    import prefect.settings
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.workers.process import ProcessWorker
+
+    from flows.rlhf_flow import deploy
+
+    with get_client(sync_client=True) as client:
+        for pool in process_pools:  # `prefect work-pool create POOL --type process --overwrite`
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process",
+                                                   base_job_template=ProcessWorker.get_default_base_job_template()),
+                                    overwrite=True)
+    deploy(config, config_path, heartbeat_seconds)
+    prefect.settings.update_current_profile({"PREFECT_API_URL": api})
 
 
 def _stop(pid: int, first: int, then: int, grace: float, group: bool = True) -> None:

@@ -106,6 +106,10 @@ def unplaceable(want: list[dict[str, float]], nodes: list[dict[str, float]], str
 
 
 PROBE_SECONDS = 30.0  # joining a live head takes 2-5 s on 2 busy cores; a port that is not a Ray head never answers
+# ray.init asks a head for its cluster id up to this many times, a second apart, and retries an answer it cannot
+# get past too: a head that refuses the client's token took 20 s (Ray's default) to be reported. A live head
+# answers the first ask, so 5 tries only shorten the wait for a refusal. The user's own setting wins.
+GCS_TRIES = {"RAY_gcs_server_port_wait_time_s": "5"}
 
 
 def alive_nodes(addr: str, timeout: float = PROBE_SECONDS) -> list[dict[str, float]] | str:
@@ -122,7 +126,8 @@ def alive_nodes(addr: str, timeout: float = PROBE_SECONDS) -> list[dict[str, flo
 
     try:
         done = subprocess.run([sys.executable, "-m", "rlhf.core.cluster", addr], capture_output=True, text=True,
-                              timeout=timeout, preexec_fn=die_with_parent, env={**os.environ, "RAY_ADDRESS": addr})
+                              timeout=timeout, preexec_fn=die_with_parent,
+                              env={**GCS_TRIES, **os.environ, "RAY_ADDRESS": addr})
     except subprocess.TimeoutExpired:
         return f"something answers at {addr}, but no Ray head joined within {timeout:g} s (is it a Ray GCS port?)"
     lines = done.stdout.strip().splitlines()
