@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -21,13 +22,23 @@ ProfileOpt = Annotated[str, typer.Option("--profile", "-p", help="profile in the
 SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="override: key.path=value (YAML value); repeatable")]
 
 
+@contextmanager
+def _bad_input_exits_2():
+    """A config or data problem: its message on stderr and exit 2, before anything expensive."""
+    from rlhf.data.userdata import DataError
+
+    try:
+        yield
+    except (ConfigError, DataError) as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(2) from None
+
+
 def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: bool = False, data: bool = True):
     """The config, its stage plan and (preflight) the user data files' row check as summary lines (one
     per file; empty without preflight or `data`); exit 2 on a problem. Preflight also asks every server the
     run will reach (S3, tracking, Ray) whether it answers, each within a timeout."""
-    from rlhf.data.userdata import DataError
-
-    try:
+    with _bad_input_exits_2():
         cfg = load_config(config, profile, overrides)
         from rlhf.core.registry import plan
 
@@ -38,22 +49,15 @@ def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: b
 
             if problems := network_problems(cfg) or policy_problems(cfg, ArtifactStore(cfg.storage)):
                 raise ConfigError(str(config), problems)
-    except (ConfigError, DataError) as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
     return cfg, stages, _data_lines_or_exit(cfg) if preflight and data else []
 
 
 def _data_lines_or_exit(cfg) -> list[str]:
     """The prompts' and user data files' row check as summary lines; exit 2 on a problem."""
-    from rlhf.data.userdata import DataError
     from rlhf.pipeline.preflight import check_data
 
-    try:
+    with _bad_input_exits_2():
         return check_data(cfg)
-    except (ConfigError, DataError) as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
 
 
 @app.command()

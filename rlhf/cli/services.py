@@ -213,8 +213,9 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
     start_mlflow(cfg, state, log)
     # pools, deployments, the automation and the profile's API URL in one child process (each a `prefect` CLI
     # call before: 2-3 s apiece of imports); workers start after, once their pools exist
-    register_deployments(cfg, config_path, api, heartbeat_seconds, pools(cfg))
-    for pool in pools(cfg):
+    names = pools(cfg)
+    register_deployments(cfg, config_path, api, heartbeat_seconds, names)
+    for pool in names:
         pid_file = state / f"worker-{pool}.pid"
         if pid_file.exists() and _alive(int(pid_file.read_text())):
             if ray_addr and f"RAY_ADDRESS={ray_addr}" not in _environ(int(pid_file.read_text())):
@@ -223,7 +224,7 @@ def up(cfg: PipelineConfig, config_path: Path, state: Path, poll_seconds: int = 
             continue
         pid = _spawn(state, f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"], env)
         log(f"worker: pool {pool!r} (pid {pid})")
-    (state / "pools.json").write_text(json.dumps(pools(cfg)))
+    (state / "pools.json").write_text(json.dumps(names))
     log("deployments: rlhf/full and rlhf-stage/<stage>; run: prefect deployment run rlhf/full --watch")
     return api
 
@@ -235,18 +236,18 @@ def register_deployments(cfg: PipelineConfig, config_path: Path, api: str, heart
     active profile's PREFECT_API_URL (as `prefect config set` does), so that `prefect` commands reach it."""
     code = (
         "import sys, json; from rlhf.cli.services import _register; "
-        "_register(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5])"
+        "_register(json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))"
     )
     env = {**os.environ, "PREFECT_API_URL": api}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg.model_dump(mode="json")),
-                           str(config_path.resolve()), str(heartbeat_seconds), json.dumps(process_pools), api],
+                           str(config_path.resolve()), str(heartbeat_seconds), json.dumps(process_pools)],
                           env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"registering the deployments on {api} failed:\n{done.stderr[-3000:]}")
 
 
-def _register(config: dict, config_path: str, heartbeat_seconds: int, process_pools: list[str], api: str) -> None:
-    """register_deployments' child."""
+def _register(config: dict, config_path: str, heartbeat_seconds: int, process_pools: list[str]) -> None:
+    """register_deployments' child: PREFECT_API_URL in its environment names the server."""
     import prefect.settings
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -260,7 +261,7 @@ def _register(config: dict, config_path: str, heartbeat_seconds: int, process_po
                                                    base_job_template=ProcessWorker.get_default_base_job_template()),
                                     overwrite=True)
     deploy(config, config_path, heartbeat_seconds)
-    prefect.settings.update_current_profile({"PREFECT_API_URL": api})
+    prefect.settings.update_current_profile({"PREFECT_API_URL": os.environ["PREFECT_API_URL"]})
 
 
 def _stop(pid: int, first: int, then: int, grace: float, group: bool = True) -> None:
