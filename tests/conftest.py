@@ -48,9 +48,14 @@ if WORKER:
 # folder, not the user's $HF_HOME
 os.environ["TRACKIO_DIR"] = str(home() / "trackio")
 
-# Files with the longest waits first (Prefect heartbeat windows, the vLLM and MLflow environments' builds, RL runs):
-# with workers, their idle time then overlaps the rest of the suite instead of trailing it.
-LONGEST_FIRST = ("test_orchestration.py", "test_vllm.py", "test_ray.py", "test_tracking.py", "test_rl.py", "test_flow.py", "test_store.py")
+# Files longest first (by their measured wall time; those with the longest waits, Prefect heartbeat windows and the
+# vLLM environment's build, at the head): their idle time then overlaps the rest of the suite, and the files left
+# for the end are short. A long file handed out late kept one worker busy alone for ~2 minutes after the others
+# had finished (docs/benchmarks.md, "The test suite's wall time").
+LONGEST_FIRST = ("test_orchestration.py", "test_vllm.py", "test_ray.py", "test_lifecycle.py", "test_leaderboard.py",
+                 "test_distributed.py", "test_tracking.py", "test_flow.py", "test_prompts.py", "test_store.py",
+                 "test_envs.py", "test_lock.py", "test_sft_rm.py", "test_eval.py", "test_dpo_rounds.py", "test_rl.py",
+                 "test_bradley_terry.py", "test_preferences.py", "test_trackers.py", "test_dpo.py")
 
 
 def pytest_configure(config):
@@ -167,6 +172,28 @@ def s3_env(seaweedfs, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     monkeypatch.setenv("AWS_ENDPOINT_URL", seaweedfs["endpoint"])
     return {"url": f"s3://{bucket}/rlhf", "endpoint": seaweedfs["endpoint"], "bucket": bucket}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_api():
+    """One Prefect API per pytest process (each xdist worker), in PREFECT_API_URL for every `rlhf` command a
+    test starts, as `rlhf up` gives a user's shell one. Without it each `rlhf run` starts a temporary API of
+    its own: ~5 s and ~5 CPU-seconds of a tiny run's ~15 (measured in docs/benchmarks.md, "The test suite's
+    wall time"). The tests of that temporary API (test_flow's tiny run, test_lifecycle, test_orchestration)
+    run without this variable. A PREFECT_API_URL already in the environment is left as it is."""
+    if "PREFECT_API_URL" in os.environ:
+        yield os.environ["PREFECT_API_URL"]
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start(timeout=120)  # Prefect's 30 s default timed out on 2 busy cores (test_flow's progress test)
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        yield server.api_url
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -26,7 +26,8 @@ def readme_queries() -> list[tuple[list[str], str]]:
 
 
 @pytest.mark.slow
-def test_tiny_run_then_identical_rerun_skips_everything(tmp_path):
+def test_tiny_run_then_identical_rerun_skips_everything(tmp_path, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL")  # the README's first command: no API given, `rlhf run` starts its own
     store_url = str(tmp_path / "artifacts")
     args = ("run", "--profile", "tiny", "--run-name", "flowtest", "--set", f"storage.url={store_url}")
     first = run_cli(*args)

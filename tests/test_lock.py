@@ -82,7 +82,7 @@ def test_duplicate_launch_refused_while_other_names_complete(tmp_path):
     while not lock.exists():
         assert first.poll() is None and time.time() < deadline, f"the first run never took its lock: {first.stderr.read()[-3000:] if first.poll() is not None else ''}"
         time.sleep(0.2)
-    # another name runs beside it, at the same time (each run has its own lock and temporary API)
+    # another name runs beside it, at the same time, on the same API (each run has its own lock)
     other = subprocess.Popen([exe, *common, "--run-name", "other"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     second = subprocess.run([exe, *common, *endless, "--run-name", "dup"], cwd=REPO, env=env, capture_output=True,

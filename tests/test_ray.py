@@ -201,7 +201,7 @@ def test_validate_prints_the_bundles_and_refuses_what_the_cluster_cannot_place(r
     assert not any(Path(tmp_path).iterdir())
 
 
-@pytest.mark.slow  # the CLI in a subprocess: a temporary Prefect server, 2 rank actors on 2 cores
+@pytest.mark.slow  # the CLI in a subprocess: 2 rank actors on 2 cores
 def test_rlhf_run_in_a_subprocess_runs_a_stage_on_ray_without_a_token(ray_cluster, tmp_path):
     """The documented command-line path: `rlhf run` preflights the cluster (in a child process: Ray's client
     does not survive the fork that runs the flow) and then runs the stage's ranks there."""
