@@ -34,10 +34,10 @@ def _bad_input_exits_2():
         raise typer.Exit(2) from None
 
 
-def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: bool = False, data: bool = True):
-    """The config, its stage plan and (preflight) the user data files' row check as summary lines (one
-    per file; empty without preflight or `data`); exit 2 on a problem. Preflight also asks every server the
-    run will reach (S3, tracking, Ray) whether it answers, each within a timeout."""
+def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: bool = False):
+    """The config and its stage plan; exit 2 on a problem. Preflight also asks every server the run will
+    reach (S3, tracking, Ray) whether it answers, each within a timeout. The data files' row check is
+    `_data_lines_or_exit`, apart: `run` needs it only when a stage will run."""
     with _bad_input_exits_2():
         cfg = load_config(config, profile, overrides)
         from rlhf.core.registry import plan
@@ -49,7 +49,7 @@ def _load_or_exit(config: Path, profile: str, overrides: list[str], preflight: b
 
             if problems := network_problems(cfg) or policy_problems(cfg, ArtifactStore(cfg.storage)):
                 raise ConfigError(str(config), problems)
-    return cfg, stages, _data_lines_or_exit(cfg) if preflight and data else []
+    return cfg, stages
 
 
 def _data_lines_or_exit(cfg) -> list[str]:
@@ -69,7 +69,8 @@ def validate(
 ) -> None:
     """Check pipeline.yaml and the user data files; print the resolved config, the stage plan, derived
     batch quantities and the preflight (skip/resume/run per stage, memory estimate, warnings)."""
-    cfg, stages, data_lines = _load_or_exit(config, profile, set_ or [], preflight=True)
+    cfg, stages = _load_or_exit(config, profile, set_ or [], preflight=True)
+    data_lines = _data_lines_or_exit(cfg)
     from rlhf.pipeline import preflight
     from rlhf.core.store import ArtifactStore
 
@@ -115,7 +116,7 @@ def run(
     overrides = list(set_ or []) + ([f"run.name={json.dumps(run_name)}"] if run_name is not None else [])
     # the data files' check comes after the skip test below: when every key is unchanged, the data was
     # accepted by the run that wrote them, and generating the task's prompts was half of a skipped rerun's 2.3 s
-    cfg, stages, _ = _load_or_exit(config, profile, overrides, preflight=True, data=False)
+    cfg, stages = _load_or_exit(config, profile, overrides, preflight=True)
     from rlhf.pipeline.lock import RunLock, RunLocked
     from rlhf.core.store import ArtifactStore, StorageError
 
@@ -205,7 +206,7 @@ def join(
     """Run this machine's share of a multi-node torchrun stage (`<stage>.launch.nnodes` > 1): the stage's
     worker is node 0 and waits at `launch.rendezvous` for the others. Same config as the run; its inputs
     must be complete in the store. Exits with the ranks' exit code."""
-    cfg, _, _ = _load_or_exit(config, profile, list(set_ or []))
+    cfg, _ = _load_or_exit(config, profile, list(set_ or []))
     from rlhf.core.registry import NAMES
 
     if stage not in NAMES:
@@ -249,7 +250,7 @@ def up(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "default
     """Start a local Prefect server, a process worker per work pool, and register the deployments.
     Run again to restart workers that died; what is healthy is kept. With tracking.backends: [mlflow] and a
     127.0.0.1/localhost tracking.mlflow.uri, an MLflow server there too; with --ray, a local Ray head."""
-    cfg, _, _ = _load_or_exit(config, profile, set_ or [])  # no probes: up starts the tracking server
+    cfg, _ = _load_or_exit(config, profile, set_ or [])  # no probes: up starts the tracking server
     from rlhf.cli import services
 
     try:
@@ -268,7 +269,7 @@ def deploy(config: ConfigOpt = Path("pipeline.yaml"), profile: ProfileOpt = "def
     """Register `rlhf/full`, `rlhf-stage/<stage>` and the crash-detection automation on the server that
     PREFECT_API_URL names (a cluster's), without starting anything locally. Workers need
     PREFECT_FLOWS_HEARTBEAT_FREQUENCY set to the same heartbeat."""
-    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    cfg, _ = _load_or_exit(config, profile, set_ or [])
     from flows.rlhf_flow import deploy as register
 
     register(cfg.model_dump(mode="json"), str(config.resolve()), heartbeat_seconds, source)
@@ -309,7 +310,7 @@ def query(
 ) -> None:
     """Query evaluation results of every run in the artifact store with DuckDB (read-only)."""
     _check_format(fmt)
-    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    cfg, _ = _load_or_exit(config, profile, set_ or [])
     from rlhf.ops.results import QueryRefused
     from rlhf.ops.results import query as run_query
     from rlhf.core.store import ArtifactStore
@@ -364,7 +365,7 @@ def leaderboard(
     Elo with 95% intervals, length-controlled Elo, accuracy. Also written to the store for `rlhf query`
     (the `leaderboard` view)."""
     _check_format(fmt)
-    cfg, _, _ = _load_or_exit(config, profile, set_ or [])
+    cfg, _ = _load_or_exit(config, profile, set_ or [])
     from rlhf.ops.leaderboard import judge_problem
 
     if judge_model is not None and (problem := judge_problem(judge_model)):
@@ -400,7 +401,7 @@ def report(
     out: Annotated[Optional[Path], typer.Option("--out", help="folder for report.md and PNGs")] = None,
 ) -> None:
     """Write a self-contained report of one run (markdown + PNG curves, Elo chart, leaderboard)."""
-    cfg, _, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(run_name)}"])
+    cfg, _ = _load_or_exit(config, profile, [*(set_ or []), f"run.name={json.dumps(run_name)}"])
     from rlhf.ops.report import build
     from rlhf.core.store import ArtifactStore
 
