@@ -260,6 +260,16 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600, cwd: Path =
     )
 
 
+HEAVY = ("torch", "transformers", "trl", "prefect", "reasoning_gym")
+IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}  # run_cli's env: the command lists each import on stderr
+
+
+def heavy_imports(stderr: str, names: tuple[str, ...] = HEAVY) -> list[str]:
+    """The import-time lines (IMPORT_TIMES) of the top-level packages `names` that a command imported."""
+    return [line for line in stderr.splitlines() if line.startswith("import time:")
+            and line.rsplit("|", 1)[-1].strip() in names]
+
+
 # Every store write in every process, recorded by a sitecustomize hook put on PYTHONPATH (launched ranks are
 # separate processes, so an in-process mock could not see them): tests check each artifact is written once.
 HOOK = '''

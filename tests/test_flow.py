@@ -10,7 +10,7 @@ import re
 import shlex
 import time
 
-from conftest import CONFIG, REPO, run_cli
+from conftest import CONFIG, IMPORT_TIMES, REPO, heavy_imports, run_cli
 from rlhf.core.loader import load_config
 from rlhf.core.registry import SPECS, output_path
 from rlhf.core.store import ArtifactStore
@@ -52,14 +52,12 @@ def test_tiny_run_then_identical_rerun_skips_everything(tmp_path, monkeypatch):
                 store.read_table(f, artifact.schema)  # raises SchemaMismatch
 
     t0 = time.perf_counter()
-    second = run_cli(*args, env={"PYTHONPROFILEIMPORTTIME": "1"})  # each import, to stderr
+    second = run_cli(*args, env=IMPORT_TIMES)
     elapsed = time.perf_counter() - t0
     assert second.returncode == 0, second.stderr[-3000:]
     # deciding that nothing is left to do needs none of the heavy libraries (they took 12 of its 16 s), nor the
     # task's prompts (reasoning-gym's import and their generation were half of its 2.3 s)
-    heavy = [line for line in second.stderr.splitlines() if line.rsplit("|", 1)[-1].strip() in (
-        "torch", "transformers", "trl", "prefect", "reasoning_gym")]
-    assert not heavy, heavy
+    assert not heavy_imports(second.stderr), heavy_imports(second.stderr)
     for stage in STAGES:
         assert f"{stage}: skipped" in second.stdout
     # every predicted key matches its manifest: the CLI ends before Prefect (no temporary API, no flow run)

@@ -145,6 +145,7 @@ ANSWERS_SCHEMA = pa.schema([
 ANSWERS_SCHEMA_V1 = pa.schema(list(ANSWERS_SCHEMA)[:-2])
 
 # ---- `rlhf leaderboard`: every policy the answers cache holds ------------------------------------------
+LEADERBOARD_TABLE = ("_leaderboard", "leaderboard.parquet")  # under the store's root
 LEADERBOARD_SCHEMA = pa.schema([pa.field(n, t) for n, t in (
     ("prompt_set", S), ("params", S), ("judge", S), ("policy", S), ("run", S), ("elo", F), ("ci_low", F), ("ci_high", F),
     ("lc_elo", F), ("lc_ci_low", F), ("lc_ci_high", F), ("length_coef", F), ("accuracy", F), ("answers", I),

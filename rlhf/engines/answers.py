@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 
 import pyarrow as pa
 
-from rlhf.engines.engine import Generation, SamplingParams
+from rlhf.engines.samples import Generation, SamplingParams
 from rlhf.core.store import SchemaMismatch
 from rlhf.core.tables import ANSWERS_SCHEMA, ANSWERS_SCHEMA_V1
 

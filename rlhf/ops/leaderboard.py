@@ -33,9 +33,7 @@ from rlhf.engines.answers import KIND
 from rlhf.maths.bradley_terry import rate
 from rlhf.maths.style_control import rate_length_controlled
 from rlhf.core.store import SchemaMismatch
-from rlhf.core.tables import LEADERBOARD_SCHEMA
-
-TABLE = ("_leaderboard", "leaderboard.parquet")
+from rlhf.core.tables import LEADERBOARD_SCHEMA, LEADERBOARD_TABLE
 
 
 def entries(store) -> list[dict]:
@@ -229,5 +227,5 @@ def build(store, rounds: int = 1000, seed: int = 0, judge: RewardJudge | None = 
         print("rlhf leaderboard: open-ended prompt sets (no verifier scores) need a reward model as the judge: "
               "--judge-model <run>/reward_model", file=sys.stderr)
     table = pa.Table.from_pylist(rows, schema=LEADERBOARD_SCHEMA)
-    store.write_table(store.path(*TABLE), table, LEADERBOARD_SCHEMA)
+    store.write_table(store.path(*LEADERBOARD_TABLE), table, LEADERBOARD_SCHEMA)
     return table

@@ -26,7 +26,7 @@ from rlhf.core.config import check_name
 from rlhf.core.registry import NAMES as STAGES
 from rlhf.core.ledger import ledger_row
 from rlhf.core.store import ArtifactStore
-from rlhf.core.tables import LEADERBOARD_SCHEMA, LEDGER_SCHEMA, EVAL_SCHEMAS
+from rlhf.core.tables import EVAL_SCHEMAS, LEADERBOARD_SCHEMA, LEADERBOARD_TABLE, LEDGER_SCHEMA
 
 VIEWS = {"samples": "samples", "battles": "battles", "ratings": "ratings", "metrics": "metrics",
          "accuracy_diffs": "accuracy_diffs", "runs": "run"}
@@ -93,9 +93,7 @@ def connect(store: ArtifactStore) -> duckdb.DuckDBPyConnection:
     for view, table in VIEWS.items():
         con.register(view, eval_tables(store, completed_runs(store, table), table))
     con.register("ledger", ledger_table(store))
-    from rlhf.ops.leaderboard import TABLE  # written by `rlhf leaderboard`: empty until then
-
-    board = store.path(*TABLE)
+    board = store.path(*LEADERBOARD_TABLE)  # written by `rlhf leaderboard`: empty until then
     con.register("leaderboard", pads.dataset([board] if store.fs.exists(board) else [], schema=LEADERBOARD_SCHEMA,
                                              format="parquet", filesystem=store.fs))
     return con
