@@ -1,6 +1,6 @@
 """What every rollout engine takes and gives: sampling settings and one sampled answer. Apart from the
 engines (rlhf/engines/engine.py) and free of torch, so that reading stored answers (the answers cache,
-`rlhf leaderboard`, `rlhf query`) does not import a tensor library."""
+`rlhf leaderboard`) does not import a tensor library."""
 
 from __future__ import annotations
 
