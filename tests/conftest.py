@@ -260,6 +260,23 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600, cwd: Path =
     )
 
 
+def process_tree(root: int) -> dict[int, str]:
+    """{pid: command line} of `root` and every process under it, from one `ps` listing."""
+    rows = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
+    children: dict[int, list[int]] = {}
+    args: dict[int, str] = {}
+    for row in rows:
+        pid, ppid, *cmd = row.split(None, 2)
+        children.setdefault(int(ppid), []).append(int(pid))
+        args[int(pid)] = cmd[0] if cmd else ""
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        tree[pid] = args.get(pid, "")
+        todo += children.get(pid, [])
+    return tree
+
+
 HEAVY = ("torch", "transformers", "trl", "prefect", "reasoning_gym")
 IMPORT_TIMES = {"PYTHONPROFILEIMPORTTIME": "1"}  # run_cli's env: the command lists each import on stderr
 

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, process_tree, run_cli
 from rlhf.core.config import StorageConfig
 from rlhf.core.store import ArtifactStore
 
@@ -50,19 +50,6 @@ def wait_for(predicate, timeout: float, what: str, run: subprocess.Popen | None 
 
 def complete_checkpoint(store: ArtifactStore, stage: str) -> bool:
     return bool(store.fs.glob(store.stage_path("tiny", stage, "checkpoints", "*", ".complete")))
-
-
-def process_tree(root: int) -> list[int]:
-    table = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split()
-    children: dict[int, list[int]] = {}
-    for pid, ppid in zip(map(int, table[::2]), map(int, table[1::2])):
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
 
 
 def kill_gpu_worker(state: Path) -> None:

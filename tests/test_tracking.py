@@ -9,7 +9,7 @@ import subprocess
 import uuid
 
 import pytest
-from conftest import CONFIG, REPO, TRACKED_GRPO, only, sft_then_resumed_grpo
+from conftest import CONFIG, REPO, TRACKED_GRPO, only, process_tree, sft_then_resumed_grpo
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from typer.testing import CliRunner
 
@@ -82,6 +82,8 @@ def mlflow_uri(tmp_path_factory):
     pid = int((state / "mlflow.pid").read_text())
     assert services.start_mlflow(cfg, state, log=lambda *_: None) == uri  # healthy: reused, not started twice
     assert int((state / "mlflow.pid").read_text()) == pid
+    # its job runner is off (`rlhf up` sets MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false): no huey consumers under it
+    assert not [cmd for cmd in process_tree(pid).values() if "huey" in cmd], process_tree(pid)
     yield uri
     services.down(state, log=lambda *_: None)
     assert not services._alive(pid) and tracking.server_problem(uri) is not None

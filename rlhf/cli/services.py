@@ -115,7 +115,10 @@ def start_mlflow(cfg: PipelineConfig, state: Path, log=print) -> str | None:
                                    str(parts.port or 80), "--workers", "1",
                                    "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
                                    "--artifacts-destination", str(folder / "artifacts")],
-                 {**os.environ, "MLFLOW_TRACKING_URI": ""})
+                 # The server's job runner (huey consumers, for MLflow's GenAI jobs) is off unless the caller's
+                 # environment turns it on: experiment tracking never uses it, and it is eight more processes
+                 # (2.3 GB RSS and 24 CPU-s in the first half minute against 0.5 GB and 5 CPU-s, measured here).
+                 {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ, "MLFLOW_TRACKING_URI": ""})
     deadline = time.time() + 120
     while not _healthy(uri):
         if time.time() > deadline or not _alive(pid):
