@@ -22,6 +22,7 @@ from pathlib import Path
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 
 from rlhf.core.models import home  # noqa: E402
@@ -260,21 +261,20 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600, cwd: Path =
     )
 
 
+def cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:  # exited (or a zombie) between listing and reading
+        return ""
+
+
 def process_tree(root: int) -> dict[int, str]:
-    """{pid: command line} of `root` and every process under it, from one `ps` listing."""
-    rows = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout.splitlines()
-    children: dict[int, list[int]] = {}
-    args: dict[int, str] = {}
-    for row in rows:
-        pid, ppid, *cmd = row.split(None, 2)
-        children.setdefault(int(ppid), []).append(int(pid))
-        args[int(pid)] = cmd[0] if cmd else ""
-    tree, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        tree[pid] = args.get(pid, "")
-        todo += children.get(pid, [])
-    return tree
+    """{pid: command line} of `root` and every process under it; {} once `root` has exited."""
+    try:
+        top = psutil.Process(root)
+        return {p.pid: cmdline(p) for p in (top, *top.children(recursive=True))}
+    except psutil.NoSuchProcess:
+        return {}
 
 
 HEAVY = ("torch", "transformers", "trl", "prefect", "reasoning_gym")

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import CONFIG, REPO, only, run_cli
+from conftest import CONFIG, REPO, cmdline, only, run_cli
 from rlhf.core import cluster
 from rlhf.core.config import StorageConfig
 from rlhf.core.store import endpoint_problem
@@ -47,13 +47,6 @@ def wait_until(predicate, run: subprocess.Popen, what: str, timeout: float = 300
             raise AssertionError(f"the run ended (exit {run.returncode}) before {what}:\n{run.stdout.read()[-3000:]}")
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
-
-
-def cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:  # exited (or a zombie) between listing and reading
-        return ""
 
 
 def running(procs: list[psutil.Process]) -> list[str]:

@@ -62,10 +62,9 @@ def kill_gpu_worker(state: Path) -> None:
             pass
 
 
-def flow_run_state(state: Path, run_id: str) -> str:
+def flow_run_state(api: str, run_id: str) -> str:
     """The run's state type, asked of the server's REST API (`prefect flow-run inspect` is a Python process
     of 1.3 CPU-s a call, and the retried run is polled every half second)."""
-    api = (state / "api_url").read_text().strip()
     try:
         with urllib.request.urlopen(f"{api}/flow_runs/{run_id}", timeout=10) as r:
             return json.loads(r.read())["state"]["type"]
@@ -124,7 +123,8 @@ def test_deployment_runs_survive_killed_workers_with_s3(tmp_path, s3_env, monkey
         gpu_at_retry = len(gpu_log())
         retry = subprocess.run([PREFECT, "flow-run", "retry", run_id], capture_output=True, text=True, cwd=REPO)
         assert retry.returncode == 0, retry.stdout + retry.stderr
-        final = lambda: (now := flow_run_state(state, run_id)) in ("COMPLETED", "FAILED", "CRASHED") and now  # noqa: E731
+        api = (state / "api_url").read_text().strip()  # the server `up` (re)started above
+        final = lambda: (now := flow_run_state(api, run_id)) in ("COMPLETED", "FAILED", "CRASHED") and now  # noqa: E731
         assert wait_for(final, 1800, "the retried run") == "COMPLETED", gpu_log()[-3000:]
         assert store.require_manifest("tiny", "grpo")["resumed_from_step"] in (2, 4)
         # Completed stages are skipped by the orchestrating run itself, with no stage run sent to the gpu pool
