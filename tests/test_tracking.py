@@ -80,12 +80,14 @@ def mlflow_uri(tmp_path_factory):
     cfg = load_config(CONFIG, "tiny", ["tracking.backends=[mlflow]", f"tracking.mlflow.uri=http://127.0.0.1:{port}"])
     uri = services.start_mlflow(cfg, state, log=lambda *_: None)
     pid = int((state / "mlflow.pid").read_text())
-    assert services.start_mlflow(cfg, state, log=lambda *_: None) == uri  # healthy: reused, not started twice
-    assert int((state / "mlflow.pid").read_text()) == pid
-    # its job runner is off (`rlhf up` sets MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false): no huey consumers under it
-    assert not [cmd for cmd in process_tree(pid).values() if "huey" in cmd], process_tree(pid)
-    yield uri
-    services.down(state, log=lambda *_: None)
+    try:  # stopped by `down` even when a check below fails
+        assert services.start_mlflow(cfg, state, log=lambda *_: None) == uri  # healthy: reused, not started twice
+        assert int((state / "mlflow.pid").read_text()) == pid
+        # its job runner is off (`rlhf up` sets MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false): no huey consumers under it
+        assert not [cmd for cmd in process_tree(pid).values() if "huey" in cmd], process_tree(pid)
+        yield uri
+    finally:
+        services.down(state, log=lambda *_: None)
     assert not services._alive(pid) and tracking.server_problem(uri) is not None
 
 
