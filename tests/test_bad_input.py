@@ -62,7 +62,11 @@ CASES = [
     ("seed-2^32", ["run.seed=4294967296"], [], None, {}, "run.seed: must be < 4294967296"),
     ("data-seed", ["data.seed=2147483648"], [], None, {}, "data.seed: must be < 2147483648"),
     ("max-steps-10^400", ["sft.max_steps=1" + "0" * 400], [], None, {}, "sft.max_steps: must be <= 100000000"),
-    ("train-size-10^30", ["data.train_size=1" + "0" * 30], [], None, {}, "data.train_size: must be <= 10000000"),
+    ("train-size-10^30", ["data.train_size=1" + "0" * 30], [], None, {}, "data.train_size: must be <= 1000000"),
+    ("eval-size-10^6", ["data.eval_size=1000000"], [], None, {}, "data.eval_size: must be <= 100000"),
+    # a task whose problem space the training problems exhaust: no held-out questions are left to ask
+    ("eval-space", ["data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}"], [], None, {},
+     "data.eval_size: 512 asked, but only "),
     ("attempts", ["storage.attempts=1000"], [], None, {}, "storage.attempts: must be <= 100"),
     # cross-field rules
     ("minibatch", ["grpo.minibatch_size=12"], [], None, {}, "grpo.minibatch_size: must divide the rollouts per iteration"),

@@ -8,6 +8,7 @@ import pytest
 
 from rlhf.core.config import DataConfig
 from rlhf.data.tasks import Task, last_number, wrong_answer
+from rlhf.data.userdata import DataError
 
 
 def test_deterministic_by_seed_and_changes_with_seed():
@@ -20,11 +21,27 @@ def test_deterministic_by_seed_and_changes_with_seed():
 
 
 def test_train_and_eval_prompts_do_not_overlap():
-    # 1-digit sums have only 2 x 9 x 9 = 162 distinct questions, so random splits would collide.
+    # 1-digit sums have only 2 x 10 x 10 = 200 distinct questions, so random splits would collide.
     task = Task(DataConfig(train_size=120, eval_size=30, task_params={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}))
     train_q = {p.question for p in task.train}
     assert task.eval and not train_q & {p.question for p in task.eval}
     assert len({p.id for p in task.train + task.eval}) == len(task.train) + len(task.eval)
+
+
+ONE_DIGIT = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # 2 x 10 x 10 = 200 questions
+
+
+def test_too_small_a_problem_space_is_an_error_naming_the_size_not_a_shorter_split():
+    # 1,000 training problems of the 200 questions leave none for 30 held-out ones: an error, not 0 held-out prompts
+    task = Task(DataConfig(train_size=1000, eval_size=30, task_params=ONE_DIGIT))
+    with pytest.raises(DataError, match=r"^data.eval_size: 30 asked, but only 0 of the 240 problems .* \(the 1000 "
+                                        r"problems drawn before hold 19\d distinct ones\): lower data.eval_size or .*data.train_size"):
+        task.eval
+    # RL prompts must be new questions too: 150 more are not there once train and eval hold most of the 200
+    task = Task(DataConfig(train_size=60, eval_size=20, rl_size=150, task_params=ONE_DIGIT))
+    assert len(task.eval) == 20
+    with pytest.raises(DataError, match=r"^data.rl_size: 150 asked, but only \d+ of the 1200 problems .*data.eval_size\)"):
+        task.rl
 
 
 @pytest.mark.parametrize(

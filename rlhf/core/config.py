@@ -136,9 +136,11 @@ class DataConfig(Strict):
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
     )
     seed: int = Field(0, ge=0, lt=2**31)  # seed of the generated problems and of KTO's example order
-    train_size: int = Field(1000, ge=1, le=10_000_000)  # training problems (SFT demonstrations, preference pairs, RL prompts)
-    eval_size: int = Field(100, ge=1, le=10_000_000)  # held-out problems, never trained on
-    # RL prompts: 0 uses the training problems (whose gold answers SFT has seen); N > 0 draws up to N fresh
+    # Every process that reads the prompts holds them (~1.4 KB a generated problem, ~26 s a million to
+    # generate on one core), validate included: hence the bounds.
+    train_size: int = Field(1000, ge=1, le=1_000_000)  # training problems (SFT demonstrations, preference pairs, RL prompts)
+    eval_size: int = Field(100, ge=1, le=100_000)  # held-out problems, never trained on
+    # RL prompts: 0 uses the training problems (whose gold answers SFT has seen); N > 0 draws N fresh
     # problems, disjoint from train and eval, as InstructGPT keeps separate SFT and PPO prompt sets
     rl_size: int = Field(0, ge=0, le=1_000_000)
     # User data in TRL's standard formats (JSONL, Parquet or a Hugging Face dataset name).

@@ -84,11 +84,28 @@ class Task(Split):
         # train so the held-out score never rewards memorisation.
         train_ds = self._generate(self.cfg.seed, self.cfg.train_size)
         train = [self._problem(f"train-{i}", e) for i, e in enumerate(train_ds)]
-        seen = {p.question for p in train}
-        eval_ds = self._generate(self.cfg.seed + 1_000_003, self.cfg.eval_size * 2)
-        held_out = [e for e in eval_ds if e["question"] not in seen][: self.cfg.eval_size]
-        evals = [self._problem(f"eval-{i}", e) for i, e in enumerate(held_out)]
-        return train, evals
+        held_out = self._draw("data.eval_size", self.cfg.seed + 1_000_003, self.cfg.eval_size, train)
+        return train, [self._problem(f"eval-{i}", e) for i, e in enumerate(held_out)]
+
+    def _draw(self, key: str, seed: int, n: int, apart_from: list[Problem]) -> list[dict]:
+        """n entries of a fresh seed with distinct questions, none in `apart_from`: from 2n drawn, or 8n where
+        a small problem space leaves too few. Distinct, because a repeated held-out question counts twice
+        and narrows a bootstrap interval that assumes independent prompts. reasoning-gym seeds item i by
+        seed + i, so the larger draw starts with the smaller one."""
+        for drawn in (2 * n, 8 * n):
+            seen, fresh = {p.question for p in apart_from}, []
+            for e in self._generate(seed, drawn):
+                if e["question"] not in seen:
+                    fresh.append(e)
+                    seen.add(e["question"])
+                    if len(fresh) == n:
+                        return fresh
+        # a problem space that the earlier splits exhaust (chain_sum of 2 terms of 1 digit has 200 questions):
+        # an error, not fewer prompts than the config promises
+        raise DataError(f"{key}: {n} asked, but only {len(fresh)} of the {drawn} problems that {self.cfg.task} generated "
+                        f"for it are new questions (the {len(apart_from)} problems drawn before hold "
+                        f"{len({p.question for p in apart_from})} distinct ones): lower {key} or the sizes drawn before it "
+                        f"(data.train_size{', data.eval_size' if key == 'data.rl_size' else ''}), or widen data.task_params")
 
     @cached_property
     def rl(self) -> list[Problem]:
@@ -96,13 +113,8 @@ class Task(Split):
         every question of train and eval removed."""
         if not self.cfg.rl_size:
             return self.train
-        seen = {p.question for p in self.train} | {p.question for p in self.eval}
-        fresh = []
-        for e in self._generate(self.cfg.seed + 2_000_003, self.cfg.rl_size * 2):
-            if e["question"] not in seen:
-                seen.add(e["question"])
-                fresh.append(e)
-        return [self._problem(f"rl-{i}", e) for i, e in enumerate(fresh[: self.cfg.rl_size])]
+        fresh = self._draw("data.rl_size", self.cfg.seed + 2_000_003, self.cfg.rl_size, self.train + self.eval)
+        return [self._problem(f"rl-{i}", e) for i, e in enumerate(fresh)]
 
     def _problem(self, pid: str, e: dict) -> Problem:
         return Problem(pid, e["question"], str(e["answer"]), e, self.cfg.system_prompt, extra={"answer": str(e["answer"])})

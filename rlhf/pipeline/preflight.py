@@ -205,23 +205,21 @@ def check_data(cfg: PipelineConfig) -> list[str]:
                             "and these pairs have none ({chosen, rejected}, the prompt inside each answer): give each "
                             "row a 'prompt', or use reward_model.kind: classifier")
         lines.append(f"data.{key}: {len(rows)} usable rows" + (f", {len(dropped)} dropped" if dropped else ""))
-    if "prompts" in files.values() or any(SPECS[s].kind == "rl" for s in plan(cfg)) or "eval" in plan(cfg):
-        lines.append(prompts_line(cfg))
-    elif not cfg.data.prompts_path and plan(cfg):
-        from rlhf.data.sources import make_task
-
-        make_task(cfg.data).train  # generated here: task_params that reasoning-gym refuses are named before any stage
-    return lines + reward_lines(cfg)
-
-
-def prompts_line(cfg: PipelineConfig) -> str:
-    """Where the prompts come from, read (and checked row by row) the way the stages will read them."""
     from rlhf.data.sources import make_task
 
-    task = make_task(cfg.data)
+    task = make_task(cfg.data)  # one for every check below: a generated task is generated once (lazily)
+    if "prompts" in files.values() or any(SPECS[s].kind == "rl" for s in plan(cfg)) or "eval" in plan(cfg):
+        lines.append(prompts_line(cfg, task))
+    elif not cfg.data.prompts_path and plan(cfg):
+        task.eval  # generated here: task_params that reasoning-gym refuses, and too small a problem space, are named before any stage
+    return lines + reward_lines(cfg, task)
+
+
+def prompts_line(cfg: PipelineConfig, task) -> str:
+    """Where the prompts come from, read (and checked row by row) the way the stages will read them."""
     n = f"{len(task.train)} training and {len(task.eval)} held-out prompts"
     if not cfg.data.prompts_path:
-        rl = f", {cfg.data.rl_size} RL prompts drawn apart from both" if cfg.data.rl_size else ""
+        rl = f", {len(task.rl)} RL prompts drawn apart from both" if cfg.data.rl_size else ""
         return f"prompts: {cfg.data.task} (generated, data.seed {cfg.data.seed}): {n}{rl}, checked by reasoning-gym's verifier"
     split = cfg.data.eval_prompts_path or f"a split of data.eval_fraction {cfg.data.eval_fraction} by data.seed"
     how = ("open-ended (no answers): judged by the reward model" if task.open_ended else
@@ -230,18 +228,16 @@ def prompts_line(cfg: PipelineConfig) -> str:
     return f"prompts: {cfg.data.prompts_path}: {n} (held out: {split}){dropped}; {how}"
 
 
-def reward_lines(cfg: PipelineConfig) -> list[str]:
+def reward_lines(cfg: PipelineConfig, task) -> list[str]:
     """The reward terms of each enabled RL stage, each checked: a user function imports and, called on two
     real prompts, returns one finite number per completion; a math_verify column is in every prompt row."""
-    from rlhf.data.sources import make_task
     from rlhf.data.userdata import DataError
 
-    lines, task = [], None
+    lines = []
     for name in [s for s in plan(cfg) if SPECS[s].kind == "rl"]:
         specs = cfg.stage(name).reward_specs()
         terms = []
         for spec in specs:
-            task = task or make_task(cfg.data)
             probe = task.train[:2]
             if spec.kind == "math_verify" and (missing := [p.id for p in task.train + task.eval
                                                             if p.columns().get(spec.column) is None]):
@@ -266,7 +262,6 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
             from rlhf.envs.base import check
 
             try:
-                task = task or make_task(cfg.data)
                 cls = check(env.name, env.options, task.rl[:2])
             except ValueError as e:
                 raise DataError(f"{name}.environment: {e}") from None
@@ -278,7 +273,7 @@ def reward_lines(cfg: PipelineConfig) -> list[str]:
         from rlhf.envs.base import check
 
         try:
-            cls = check(env.name, env.options, (task or make_task(cfg.data)).eval[:2])
+            cls = check(env.name, env.options, task.eval[:2])
         except ValueError as e:
             raise DataError(f"eval.environment: {e}") from None
         lines.append(f"eval: episodes with {cls}{_options(env.options)}, up to {env.max_turns} turns and {env.max_tokens} tokens")
