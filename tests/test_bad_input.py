@@ -64,9 +64,6 @@ CASES = [
     ("max-steps-10^400", ["sft.max_steps=1" + "0" * 400], [], None, {}, "sft.max_steps: must be <= 100000000"),
     ("train-size-10^30", ["data.train_size=1" + "0" * 30], [], None, {}, "data.train_size: must be <= 1000000"),
     ("eval-size-10^6", ["data.eval_size=1000000"], [], None, {}, "data.eval_size: must be <= 100000"),
-    # a task whose problem space the training problems exhaust: no held-out questions are left to ask
-    ("eval-space", ["data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}"], [], None, {},
-     "data.eval_size: 512 asked, but only "),
     ("attempts", ["storage.attempts=1000"], [], None, {}, "storage.attempts: must be <= 100"),
     # cross-field rules
     ("minibatch", ["grpo.minibatch_size=12"], [], None, {}, "grpo.minibatch_size: must divide the rollouts per iteration"),
@@ -230,6 +227,15 @@ def test_the_installed_command_exits_2_on_a_bad_value():
     """The same path through the console script a user runs (the table runs in-process)."""
     proc = run_cli("validate", "--set", "grpo.max_kl=.inf")
     assert proc.returncode == 2 and "grpo.max_kl: input should be a finite number" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_installed_command_names_a_size_the_task_cannot_fill():
+    """Valid values each, but 384 training problems of a 200-question task leave too few new held-out questions."""
+    proc = run_cli("validate", "--set", "data.task_params={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}")
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(r"^data.eval_size: 512 asked, but only \d+ of the 4096 problems that reasoning_gym:chain_sum generated "
+                     r"for it are new questions", proc.stderr, re.M), proc.stderr
     assert "Traceback" not in proc.stderr
 
 

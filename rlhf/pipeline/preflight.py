@@ -5,6 +5,8 @@ content keys and what is in the store), the memory estimate, and warnings about 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rlhf.core import cluster, tracking
 from rlhf.core.config import PipelineConfig
 from rlhf.core.registry import SPECS, locate, of_kind, plan, stage_inputs
@@ -12,6 +14,9 @@ from rlhf.pipeline.identity import DATA_FILES, explain, identity, key_of
 from rlhf.core.manifest import ManifestError
 from rlhf.core.hardware import cpu_has_bf16
 from rlhf.core.store import ATTEMPT, endpoint_problem
+
+if TYPE_CHECKING:
+    from rlhf.data.sources import PromptSource
 
 
 def network_problems(cfg: PipelineConfig, timeout: float = 3.0) -> list[str]:
@@ -211,11 +216,13 @@ def check_data(cfg: PipelineConfig) -> list[str]:
     if "prompts" in files.values() or any(SPECS[s].kind == "rl" for s in plan(cfg)) or "eval" in plan(cfg):
         lines.append(prompts_line(cfg, task))
     elif not cfg.data.prompts_path and plan(cfg):
-        task.eval  # generated here: task_params that reasoning-gym refuses, and too small a problem space, are named before any stage
+        # generated here: task_params that reasoning-gym refuses, and a problem space too small for the sizes,
+        # are named before any stage
+        task.eval
     return lines + reward_lines(cfg, task)
 
 
-def prompts_line(cfg: PipelineConfig, task) -> str:
+def prompts_line(cfg: PipelineConfig, task: PromptSource) -> str:
     """Where the prompts come from, read (and checked row by row) the way the stages will read them."""
     n = f"{len(task.train)} training and {len(task.eval)} held-out prompts"
     if not cfg.data.prompts_path:
@@ -228,7 +235,7 @@ def prompts_line(cfg: PipelineConfig, task) -> str:
     return f"prompts: {cfg.data.prompts_path}: {n} (held out: {split}){dropped}; {how}"
 
 
-def reward_lines(cfg: PipelineConfig, task) -> list[str]:
+def reward_lines(cfg: PipelineConfig, task: PromptSource) -> list[str]:
     """The reward terms of each enabled RL stage, each checked: a user function imports and, called on two
     real prompts, returns one finite number per completion; a math_verify column is in every prompt row."""
     from rlhf.data.userdata import DataError
