@@ -226,7 +226,10 @@ def test_sigterm_while_a_stage_waits_for_ray_placement_stops_the_run_within_seco
         run = start_run("waits", tmp_path, *RAY, env={**os.environ, "RAY_ADDRESS": ray_cluster})
         attempt = tmp_path / "waits" / "sft" / "_attempt.json"
         wait_until(attempt.exists, run, "the stage's start")
-        time.sleep(3)  # the stage joins the cluster and asks for its placement group, which cannot be placed
+        # the stage joins the cluster and asks for its placement group, which cannot be placed; waited for, not
+        # slept on: a loaded machine was still importing the stage's modules 3 s after its start
+        wait_until(lambda: any(pg["state"] == "PENDING" for pg in ray.util.placement_group_table().values()),
+                   run, "the stage's placement request")
         assert run.poll() is None
         seconds, out, started = stop_and_time(run, signal.SIGTERM)
         assert run.returncode == 143 and seconds < 10, (run.returncode, seconds, out[-3000:])
